@@ -1,0 +1,37 @@
+"""Installs tf_lossscale; `pip install -e ".[test]"` adds the test tools."""
+
+import pathlib
+import re
+
+import setuptools
+
+_ROOT = pathlib.Path(__file__).parent
+_VERSION = re.search(r'^__version__ = "([^"]+)"',
+                     (_ROOT / "tf_lossscale" / "__init__.py").read_text(),
+                     re.MULTILINE).group(1)
+
+setuptools.setup(
+    name="tf_lossscale",
+    version=_VERSION,
+    description=("Loss scaling (FixedLossScale, DynamicLossScale) and a Keras "
+                 "LossScaleOptimizer for float16 training with TensorFlow"),
+    long_description=(_ROOT / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.9",
+    # The top-level configs/ folder ships inside the package as
+    # tf_lossscale.configs, so the demo finds its defaults after any install.
+    packages=["tf_lossscale", "tf_lossscale.configs"],
+    package_dir={"tf_lossscale.configs": "configs"},
+    package_data={"tf_lossscale.configs": ["*.json"]},
+    install_requires=[
+        # 2.16 is the first release whose tf.keras is Keras 3.
+        "tensorflow>=2.16,<2.22",
+        "absl-py",
+    ],
+    extras_require={"test": ["pytest", "absl-py"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)

@@ -1,0 +1,27 @@
+"""tf_lossscale: loss scaling for float16 training with TensorFlow and Keras.
+
+Public API:
+
+* `LossScale`, `FixedLossScale`, `DynamicLossScale`: loss scales with the
+  contract of TensorFlow's `tf.compat.v1.mixed_precision.LossScale`;
+* `get`, `serialize`, `deserialize`: identifiers and configs to loss scales;
+* `LossScaleOptimizer`: the Keras optimizer wrapper that uses them.
+"""
+
+from tf_lossscale.loss_scale import DynamicLossScale
+from tf_lossscale.loss_scale import FixedLossScale
+from tf_lossscale.loss_scale import LossScale
+from tf_lossscale.serialization import deserialize
+from tf_lossscale.serialization import get
+from tf_lossscale.serialization import serialize
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DynamicLossScale",
+    "FixedLossScale",
+    "LossScale",
+    "deserialize",
+    "get",
+    "serialize",
+]

@@ -1,0 +1,93 @@
+"""Agreement across replicas and workers under `tf.distribute`.
+
+Under a distribution strategy every replica computes gradients on its own part
+of the batch, so a NaN or Inf may appear on one replica only. Loss scaling is
+only correct if every replica, on every worker, reaches the same decision:
+
+* each replica reduces its own gradients to one all-finite flag;
+* the flags are combined with **one** reduction of **one** float32 scalar per
+  step (cast to float, as booleans cannot be reduced), summed over all
+  replicas in sync, and compared with the number of replicas;
+* the loss scale is updated once, in cross-replica context, from that shared
+  answer, so mirrored copies never diverge.
+
+Contexts:
+
+* cross-replica context (under `strategy.scope()`, outside `strategy.run`):
+  gradients are usually `PerReplica` values; the reduction happens directly.
+* replica context (inside `strategy.run`, or `model.fit`'s train step): the
+  cross-replica context is reached with `merge_call`, and every replica gets
+  the same result back.
+* no strategy (the default strategy): the local flag is the answer.
+
+Parameter-server and central-storage strategies are rejected: their variables
+are not replicated per replica, and a worker there cannot wait for the others'
+verdict before it applies its gradients.
+"""
+
+import tensorflow as tf
+
+from tf_lossscale import gradient_checks
+
+_UNSUPPORTED_STRATEGIES = (
+    tf.distribute.experimental.ParameterServerStrategy,
+    tf.distribute.experimental.CentralStorageStrategy,
+    tf.compat.v1.distribute.experimental.ParameterServerStrategy,
+    tf.compat.v1.distribute.experimental.CentralStorageStrategy,
+)
+
+
+def check_supported(strategy=None):
+    """Raises ValueError if the (current) strategy cannot agree on a step.
+
+    Args:
+      strategy: the strategy to check; the current one when None.
+    """
+    strategy = strategy or tf.distribute.get_strategy()
+    if isinstance(strategy, _UNSUPPORTED_STRATEGIES):
+        raise ValueError(
+            f"tf_lossscale does not support {type(strategy).__name__}: its "
+            "variables are not mirrored per replica, so replicas cannot share "
+            "one loss scale and one skip decision. Use MirroredStrategy, "
+            "MultiWorkerMirroredStrategy, OneDeviceStrategy or no strategy.")
+
+
+def in_replica_context():
+    """True inside `strategy.run` of a real (non-default) strategy."""
+    return (tf.distribute.has_strategy()
+            and not tf.distribute.in_cross_replica_context())
+
+
+def call_in_cross_replica_context(fn, *args):
+    """Returns `fn(*args)` evaluated in cross-replica context.
+
+    From a replica context this goes through `merge_call`: replicas pause
+    until all of them arrive, `fn` runs once with their arguments combined
+    into per-replica values, and each replica receives its result. Anywhere
+    else `fn` is simply called.
+    """
+    if in_replica_context():
+        return tf.distribute.get_replica_context().merge_call(
+            lambda _strategy, *merged: fn(*merged), args=args)
+    return fn(*args)
+
+
+def _finite_as_float(grads):
+    return tf.cast(gradient_checks.all_finite(grads), tf.float32)
+
+
+def all_replicas_finite(grads):
+    """Returns a scalar bool tensor: True iff no replica has a non-finite grad.
+
+    Must be called in cross-replica context (or without a strategy). `grads`
+    may hold per-replica values, which each replica checks on its own device.
+    """
+    if not tf.distribute.has_strategy():
+        return gradient_checks.all_finite(grads)
+    strategy = tf.distribute.get_strategy()
+    per_replica = strategy.extended.call_for_each_replica(
+        _finite_as_float, args=(grads,))
+    finite_replicas = strategy.reduce(
+        tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+    return tf.equal(finite_replicas,
+                    tf.constant(strategy.num_replicas_in_sync, tf.float32))

@@ -1,0 +1,58 @@
+"""Argument checks shared by the loss scales and the Keras optimizer.
+
+Every check runs before anything is created, so a rejected argument leaves no
+half-built object or stray variable behind. Messages name the argument and
+repeat the value that was given.
+"""
+
+import math
+import numbers
+
+import numpy as np
+
+# A loss scale lives in a float32 variable: a Python float above this limit
+# would silently become inf there.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
+
+def _is_bool(value):
+    return isinstance(value, (bool, np.bool_))
+
+
+def finite_float32(name, value, *, above=None, at_least=None):
+    """Returns `value` as a float after checking it fits a float32 variable.
+
+    Exactly one bound is given: `above` (exclusive) or `at_least` (inclusive).
+
+    Raises:
+      TypeError: `value` is a bool or not a real number.
+      ValueError: `value` is NaN, infinite, larger than float32 allows, or
+        outside the bound.
+    """
+    # bool is an int subclass, but `FixedLossScale(True)` is a bug, not a scale.
+    if _is_bool(value) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{name} must be a Python int or float, got {value!r} "
+            f"of type {type(value).__name__}")
+    number = float(value)
+    if math.isnan(number) or math.isinf(number) or number > FLOAT32_MAX:
+        raise ValueError(
+            f"{name} must be finite and at most the float32 maximum "
+            f"({FLOAT32_MAX:.8g}), got {value!r}")
+    if above is not None and not number > above:
+        raise ValueError(f"{name} must be > {above:g}, got {value!r}")
+    if at_least is not None and not number >= at_least:
+        raise ValueError(f"{name} must be >= {at_least:g}, got {value!r}")
+    return number
+
+
+def positive_int(name, value):
+    """Returns `value` as an int after checking it is an int64 >= 1."""
+    if _is_bool(value) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{name} must be a positive Python int, got {value!r} "
+            f"of type {type(value).__name__}")
+    if not 1 <= value <= _INT64_MAX:
+        raise ValueError(f"{name} must be a positive int64, got {value!r}")
+    return int(value)
