@@ -8,6 +8,7 @@ Public API:
 * `LossScaleOptimizer`: the Keras optimizer wrapper that uses them.
 """
 
+from tf_lossscale.keras_optimizer import LossScaleOptimizer
 from tf_lossscale.loss_scale import DynamicLossScale
 from tf_lossscale.loss_scale import FixedLossScale
 from tf_lossscale.loss_scale import LossScale
@@ -21,6 +22,7 @@ __all__ = [
     "DynamicLossScale",
     "FixedLossScale",
     "LossScale",
+    "LossScaleOptimizer",
     "deserialize",
     "get",
     "serialize",

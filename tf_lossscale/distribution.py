@@ -72,6 +72,18 @@ def call_in_cross_replica_context(fn, *args):
     return fn(*args)
 
 
+def call_for_each_replica(fn, *args):
+    """From cross-replica context, runs `fn(*args)` once in every replica.
+
+    Per-replica values in `args` are unwrapped for each replica. Without a
+    strategy, `fn` is simply called.
+    """
+    if not tf.distribute.has_strategy():
+        return fn(*args)
+    return tf.distribute.get_strategy().extended.call_for_each_replica(
+        fn, args=args)
+
+
 def _finite_as_float(grads):
     return tf.cast(gradient_checks.all_finite(grads), tf.float32)
 
@@ -85,8 +97,7 @@ def all_replicas_finite(grads):
     if not tf.distribute.has_strategy():
         return gradient_checks.all_finite(grads)
     strategy = tf.distribute.get_strategy()
-    per_replica = strategy.extended.call_for_each_replica(
-        _finite_as_float, args=(grads,))
+    per_replica = call_for_each_replica(_finite_as_float, grads)
     finite_replicas = strategy.reduce(
         tf.distribute.ReduceOp.SUM, per_replica, axis=None)
     return tf.equal(finite_replicas,

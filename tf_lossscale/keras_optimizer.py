@@ -1,0 +1,381 @@
+"""`LossScaleOptimizer`: a Keras 3 optimizer wrapper driven by a `LossScale`.
+
+It subclasses `keras.optimizers.LossScaleOptimizer` so that `model.compile`
+under the `mixed_float16` policy recognises it and does not wrap it a second
+time, but it replaces all of that class's behaviour:
+
+* any `tf_lossscale` loss scale (fixed, dynamic with any multiplier, yours);
+* under `tf.distribute`, the skip decision is taken from *every* replica's
+  gradients on *every* worker with one scalar all-reduce, before any branch
+  holding a collective, so all replicas apply or all skip together;
+* a skipped step leaves weights, optimizer slots and `iterations` untouched
+  and adds one to `skipped_steps`;
+* the TF 2.x methods `get_scaled_loss` and `get_unscaled_gradients` work.
+
+Two protocols for a training step are supported:
+
+* Keras 3 (what `fit` does): `scaled = opt.scale_loss(loss)`, gradients of
+  `scaled`, then `opt.apply_gradients(...)` with those *scaled* gradients;
+  the optimizer unscales them.
+* TF 2.x: `scaled = opt.get_scaled_loss(loss)`, gradients of `scaled`,
+  `grads = opt.get_unscaled_gradients(scaled_grads)`, optional clipping, then
+  `opt.apply_gradients(...)` with the *unscaled* gradients.
+
+`apply_gradients` follows whichever of `scale_loss` or
+`get_scaled_loss`/`get_unscaled_gradients` was called last (while tracing, in a
+`tf.function`), so one step must not mix the two.
+"""
+
+import weakref
+
+import keras
+import tensorflow as tf
+
+from tf_lossscale import distribution
+from tf_lossscale import gradient_checks
+from tf_lossscale import legacy_configs
+from tf_lossscale import loss_scale as loss_scale_lib
+from tf_lossscale import serialization
+
+# Keras 3 writes these base-optimizer arguments into some saved wrapper
+# configs. They are accepted at their defaults, as Keras does; anything else
+# belongs on the inner optimizer.
+_BASE_OPTIMIZER_DEFAULTS = {
+    "weight_decay": None,
+    "clipnorm": None,
+    "global_clipnorm": None,
+    "clipvalue": None,
+    "use_ema": False,
+    "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None,
+    "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
+}
+
+_DEFAULT_INITIAL_SCALE = 2.0**15
+_DEFAULT_GROWTH_STEPS = 2000
+
+# Inner optimizer -> the wrapper that owns it. Two wrappers sharing one inner
+# optimizer would each apply its update: the weights would move twice.
+_OWNERS = weakref.WeakKeyDictionary()
+
+
+def _check_base_optimizer_kwargs(kwargs):
+    for key, value in kwargs.items():
+        if key not in _BASE_OPTIMIZER_DEFAULTS:
+            raise TypeError(
+                f"LossScaleOptimizer got an unexpected argument {key}={value!r}")
+        if value != _BASE_OPTIMIZER_DEFAULTS[key]:
+            raise ValueError(
+                f"LossScaleOptimizer does not take {key}={value!r}; set "
+                f"{key} on the inner optimizer instead")
+
+
+def _resolve_loss_scale(loss_scale, dynamic, initial_scale,
+                        dynamic_growth_steps):
+    """Returns the `LossScale` for the constructor's arguments."""
+    if dynamic is None and initial_scale is None and (
+            dynamic_growth_steps is None):
+        resolved = serialization.get(loss_scale)
+        if resolved is None:
+            raise ValueError(
+                "loss_scale must not be None: a LossScaleOptimizer needs a "
+                "loss scale (a number, 'dynamic', a LossScale or a dict)")
+        return resolved
+    if not (isinstance(loss_scale, str) and loss_scale == "dynamic"):
+        raise ValueError(
+            f"loss_scale={loss_scale!r} conflicts with dynamic={dynamic!r}, "
+            f"initial_scale={initial_scale!r}, dynamic_growth_steps="
+            f"{dynamic_growth_steps!r}: give either loss_scale or the "
+            "Keras-style arguments, not both")
+    if dynamic is not None and not isinstance(dynamic, bool):
+        raise TypeError(f"dynamic must be a bool, got {dynamic!r}")
+    if dynamic is False:
+        if initial_scale is None or dynamic_growth_steps is not None:
+            raise ValueError(
+                "dynamic=False needs initial_scale (the fixed scale) and no "
+                f"dynamic_growth_steps, got initial_scale={initial_scale!r}, "
+                f"dynamic_growth_steps={dynamic_growth_steps!r}")
+        return loss_scale_lib.FixedLossScale(initial_scale)
+    return loss_scale_lib.DynamicLossScale(
+        initial_loss_scale=(_DEFAULT_INITIAL_SCALE
+                            if initial_scale is None else initial_scale),
+        increment_period=(_DEFAULT_GROWTH_STEPS
+                          if dynamic_growth_steps is None
+                          else dynamic_growth_steps),
+        multiplier=2.0)
+
+
+def _check_inner_optimizer(inner_optimizer):
+    if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            f"inner_optimizer {inner_optimizer!r} is already a "
+            "LossScaleOptimizer; wrapping it again would scale the loss twice")
+    if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            "inner_optimizer must be a keras.optimizers.Optimizer instance, "
+            f"got {inner_optimizer!r} of type {type(inner_optimizer).__name__}")
+    owner = _OWNERS.get(inner_optimizer)
+    if owner is not None and owner() is not None:
+        raise ValueError(
+            f"inner_optimizer {inner_optimizer.name!r} is already wrapped by "
+            "another LossScaleOptimizer; give each wrapper its own optimizer")
+    if inner_optimizer.loss_scale_factor is not None:
+        raise ValueError(
+            f"inner_optimizer has loss_scale_factor="
+            f"{inner_optimizer.loss_scale_factor!r}; the LossScaleOptimizer "
+            "scales the loss itself, so leave it unset")
+
+
+def _compute_dtype(dtype):
+    # Unscaling float16/bfloat16 in their own type would overflow for scales
+    # above their range; float32 holds every scale, float64 keeps precision.
+    return tf.float64 if dtype == tf.float64 else tf.float32
+
+
+def _divide(values, scale):
+    wide = _compute_dtype(values.dtype)
+    quotient = tf.cast(values, wide) / tf.cast(scale, wide)
+    return tf.cast(quotient, values.dtype)
+
+
+def _unscale(grad, scale):
+    if grad is None:
+        return None
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(_divide(grad.values, scale), grad.indices,
+                                grad.dense_shape)
+    return _divide(tf.convert_to_tensor(grad), scale)
+
+
+@keras.saving.register_keras_serializable(package="tf_lossscale")
+class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """Wraps a Keras optimizer with loss scaling by a `tf_lossscale.LossScale`.
+
+    Args:
+      inner_optimizer: the `keras.optimizers.Optimizer` to wrap; each wrapper
+        needs its own.
+      loss_scale: anything `tf_lossscale.get` accepts: a number (fixed scale),
+        `"dynamic"` (the default: `DynamicLossScale()`), a `LossScale` or a
+        serialized loss scale dict.
+      name: the optimizer's name.
+      initial_scale, dynamic_growth_steps: for drop-in use in place of
+        `keras.mixed_precision.LossScaleOptimizer`: a `DynamicLossScale` with
+        these values and multiplier 2.
+      dynamic: as in tf-keras 2.4+: `dynamic=False` with `initial_scale` gives
+        a `FixedLossScale(initial_scale)`.
+      **kwargs: base-optimizer arguments that Keras writes into saved configs,
+        accepted only at their default values.
+
+    Raises:
+      TypeError: `inner_optimizer` is not a Keras optimizer, or an argument
+        is unknown or of the wrong type.
+      ValueError: `inner_optimizer` is a LossScaleOptimizer or already
+        wrapped, `loss_scale` conflicts with the Keras-style arguments, or a
+        loss-scale argument is invalid.
+
+    `iterations` is the inner optimizer's: it counts applied steps only.
+    `skipped_steps` counts the steps skipped for non-finite gradients.
+    """
+
+    def __init__(self, inner_optimizer, loss_scale="dynamic", name=None, *,
+                 initial_scale=None, dynamic_growth_steps=None, dynamic=None,
+                 **kwargs):
+        _check_inner_optimizer(inner_optimizer)
+        _check_base_optimizer_kwargs(kwargs)
+        resolved = _resolve_loss_scale(loss_scale, dynamic, initial_scale,
+                                       dynamic_growth_steps)
+        # Keras' own LossScaleOptimizer.__init__ creates its scale variables;
+        # ours come from the LossScale, so that constructor is skipped.
+        keras.optimizers.Optimizer.__init__(  # pylint: disable=non-parent-init-called
+            self, learning_rate=0.0, name=name)
+        self.inner_optimizer = inner_optimizer
+        _OWNERS[inner_optimizer] = weakref.ref(self)
+        self._loss_scale = resolved
+        # `fit` uses the Keras 3 protocol; the TF 2.x methods switch it.
+        self._caller_unscales = False
+        with keras.name_scope(self.name):
+            self._skipped_steps = keras.Variable(
+                0, name="skipped_steps", dtype="int64", trainable=False,
+                aggregation="none")
+        self._track_variable(self._skipped_steps)
+
+    @property
+    def loss_scale(self):
+        """The `tf_lossscale.LossScale`; call it for the current scale."""
+        return self._loss_scale
+
+    @property
+    def skipped_steps(self):
+        """Steps skipped for non-finite gradients, a scalar int64 tensor."""
+        return tf.convert_to_tensor(self._skipped_steps)
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def dynamic_scale(self):
+        """The current scale, as Keras' own LossScaleOptimizer names it."""
+        return self._loss_scale()
+
+    @property
+    def initial_scale(self):
+        config = self._loss_scale.get_config()
+        return config.get("initial_loss_scale",
+                          config.get("loss_scale_value"))
+
+    @property
+    def dynamic_growth_steps(self):
+        return self._loss_scale.get_config().get("increment_period")
+
+    def build(self, var_list):
+        self.inner_optimizer.build(var_list)
+        keras.optimizers.Optimizer.build(self, var_list)
+
+    # Scaling and unscaling.
+
+    def _scale(self, loss):
+        if callable(loss):
+            return lambda: self._scale(loss())
+        loss = tf.convert_to_tensor(loss)
+        return loss * tf.cast(self._loss_scale(), loss.dtype)
+
+    def scale_loss(self, loss):
+        """Keras 3 protocol: returns `loss * scale`; `apply_gradients` then
+        takes the scaled gradients and unscales them."""
+        self._caller_unscales = False
+        return self._scale(loss)
+
+    def get_scaled_loss(self, loss):
+        """TF 2.x protocol: returns `loss * scale` in the loss's dtype.
+
+        `loss` may be a callable returning the loss; a callable returning the
+        scaled loss comes back. Unscale the gradients with
+        `get_unscaled_gradients` before `apply_gradients`.
+        """
+        self._caller_unscales = True
+        return self._scale(loss)
+
+    def get_unscaled_gradients(self, grads):
+        """TF 2.x protocol: returns `grads / scale`, structure and dtypes kept.
+
+        `None` entries stay None; `tf.IndexedSlices` stay IndexedSlices.
+        """
+        self._caller_unscales = True
+        scale = self._loss_scale()
+        return tf.nest.map_structure(lambda g: _unscale(g, scale), grads)
+
+    # Applying.
+
+    def apply_gradients(self, grads_and_vars):
+        grads, trainable_variables = zip(*grads_and_vars)
+        self.apply(grads, trainable_variables)
+        return self.iterations
+
+    def apply(self, grads, trainable_variables=None):
+        """Applies `grads` unless the loss scale says this step overflowed.
+
+        Must be called in a replica context (as `fit` and `strategy.run` do,
+        or with no strategy at all).
+        """
+        if tf.distribute.has_strategy() and (
+                tf.distribute.in_cross_replica_context()):
+            raise RuntimeError(
+                "LossScaleOptimizer.apply_gradients must be called in a "
+                "replica context: inside strategy.run (or model.fit), not "
+                "directly under strategy.scope()")
+        distribution.check_supported()
+        grads = list(grads)
+        if trainable_variables is not None:
+            trainable_variables = list(trainable_variables)
+        if not self.built:
+            if trainable_variables is None:
+                raise ValueError(
+                    "The first apply needs trainable_variables, or call "
+                    "optimizer.build(variables) first")
+            with keras.name_scope(self.name):
+                self.build(trainable_variables)
+        if not self._caller_unscales:
+            scale = self._loss_scale()
+            grads = [_unscale(g, scale) for g in grads]
+        distribution.call_in_cross_replica_context(
+            self._apply_if_all_finite, grads, trainable_variables)
+
+    def _apply_if_all_finite(self, grads, trainable_variables):
+        # Cross-replica context: `grads` may be per-replica values. The loss
+        # scale reduces one finiteness flag over all replicas and workers, so
+        # the branch below, whose inner apply all-reduces the gradients, is
+        # taken identically everywhere.
+        _, should_apply = self._loss_scale.update(grads)
+
+        def apply_inner():
+            distribution.call_for_each_replica(
+                self.inner_optimizer.apply, grads, trainable_variables)
+
+        def skip():
+            self._skipped_steps.assign_add(1)
+
+        if isinstance(should_apply, bool):
+            if should_apply:
+                apply_inner()
+            else:
+                skip()
+        else:
+            tf.cond(should_apply, apply_inner, skip)
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        raise NotImplementedError(
+            "tf_lossscale.LossScaleOptimizer is stateful (TensorFlow backend); "
+            "use apply or apply_gradients")
+
+    def check_finite(self, grads):
+        """Whether every gradient on this replica is finite (a bool tensor)."""
+        return gradient_checks.all_finite(grads)
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    # Saving.
+
+    def save_own_variables(self, store):
+        super().save_own_variables(store)
+        for variable, key in self._loss_scale_store_keys():
+            store[key] = variable.numpy()
+
+    def load_own_variables(self, store):
+        loss_scale_keys = {key for _, key in self._loss_scale_store_keys()}
+        indexed = {k: store[k] for k in store.keys()
+                   if k not in loss_scale_keys}
+        super().load_own_variables(indexed)
+        for variable, key in self._loss_scale_store_keys():
+            if key in store.keys():
+                variable.assign(store[key])
+
+    def _loss_scale_store_keys(self):
+        return [(variable, f"loss_scale.{index}")
+                for index, variable in enumerate(self._loss_scale.variables)]
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "inner_optimizer": keras.saving.serialize_keras_object(
+                self.inner_optimizer),
+            "loss_scale": serialization.serialize(self._loss_scale),
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """Creates the optimizer from its config or an older Keras format."""
+        inner_config, kwargs = legacy_configs.to_constructor_arguments(config)
+        inner = keras.optimizers.deserialize(inner_config,
+                                             custom_objects=custom_objects)
+        return cls(inner, **kwargs)
