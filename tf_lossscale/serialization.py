@@ -93,7 +93,7 @@ def get(identifier):
             "or a serialized loss scale dict")
     if isinstance(identifier, numbers.Real):
         return loss_scale_lib.FixedLossScale(identifier)
-    if identifier == "dynamic":
+    if isinstance(identifier, str) and identifier == "dynamic":
         return loss_scale_lib.DynamicLossScale()
     if isinstance(identifier, dict):
         return deserialize(identifier)

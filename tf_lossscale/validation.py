@@ -35,7 +35,10 @@ def finite_float32(name, value, *, above=None, at_least=None):
         raise TypeError(
             f"{name} must be a Python int or float, got {value!r} "
             f"of type {type(value).__name__}")
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # An int beyond any float's range.
+        number = math.inf
     if math.isnan(number) or math.isinf(number) or number > FLOAT32_MAX:
         raise ValueError(
             f"{name} must be finite and at most the float32 maximum "
