@@ -87,13 +87,16 @@ def _dynamic(**kwargs):
 
 
 _DYNAMIC_VALUE_ERRORS = [
+    # 1e-46 is positive but the float32 variable would hold 0.
     ("initial_loss_scale", value)
-    for value in [0, 0.0, -1, -0.5, _NAN, _INF, -_INF, _ABOVE_FLOAT32_MAX]
+    for value in [0, 0.0, -1, -0.5, _NAN, _INF, -_INF, _ABOVE_FLOAT32_MAX,
+                  1e-46]
 ] + [
     ("increment_period", value) for value in [0, -1, -2000, 2**63]
 ] + [
+    # 1 + 1e-9 is above 1 but rounds to 1.0 in float32: it would never grow.
     ("multiplier", value) for value in [1, 1.0, 0.5, 0, -2, _NAN, _INF,
-                                        _ABOVE_FLOAT32_MAX]
+                                        _ABOVE_FLOAT32_MAX, 1 + 1e-9]
 ]
 _DYNAMIC_TYPE_ERRORS = [
     ("initial_loss_scale", value)

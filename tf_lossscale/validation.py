@@ -43,10 +43,15 @@ def finite_float32(name, value, *, above=None, at_least=None):
         raise ValueError(
             f"{name} must be finite and at most the float32 maximum "
             f"({FLOAT32_MAX:.8g}), got {value!r}")
-    if above is not None and not number > above:
-        raise ValueError(f"{name} must be > {above:g}, got {value!r}")
-    if at_least is not None and not number >= at_least:
-        raise ValueError(f"{name} must be >= {at_least:g}, got {value!r}")
+    # The bounds apply to the value the float32 variable will hold: 1e-46
+    # becomes 0 there and 1 + 1e-9 becomes 1.
+    stored = float(np.float32(number))
+    rounded = "" if stored == number else f" (float32 rounds it to {stored!r})"
+    if above is not None and not stored > above:
+        raise ValueError(f"{name} must be > {above:g}, got {value!r}{rounded}")
+    if at_least is not None and not stored >= at_least:
+        raise ValueError(
+            f"{name} must be >= {at_least:g}, got {value!r}{rounded}")
     return number
 
 
