@@ -52,6 +52,35 @@ def check_supported(strategy=None):
             "MultiWorkerMirroredStrategy, OneDeviceStrategy or no strategy.")
 
 
+def strategy_in_use():
+    """The strategy whose scope or `run` we are in; None without one."""
+    if not tf.distribute.has_strategy():
+        return None
+    return tf.distribute.get_strategy()
+
+
+def check_same_strategy(owner, created_under):
+    """Raises ValueError unless the current strategy is `created_under`.
+
+    State mirrored by one strategy must be updated under that strategy: out
+    of its scope there is no strategy to reduce with, and each worker of a
+    MultiWorkerMirroredStrategy would silently decide alone.
+
+    Args:
+      owner: what holds the state, for the message.
+      created_under: the strategy the state was created under, or None for
+        plain variables (usable anywhere).
+    """
+    current = strategy_in_use()
+    if created_under is not None and current is not created_under:
+        where = (f"under {type(current).__name__}" if current is not None
+                 else "outside any strategy")
+        raise ValueError(
+            f"{owner} was created under {type(created_under).__name__} but "
+            f"used {where}; call it under that strategy's scope() or inside "
+            "its run()")
+
+
 def in_replica_context():
     """True inside `strategy.run` of a real (non-default) strategy."""
     return (tf.distribute.has_strategy()

@@ -188,7 +188,9 @@ class DynamicLossScale(LossScale):
 
     See the module docstring for the exact algorithm. Create it under
     `strategy.scope()` to share it between replicas; `update` then works in
-    cross-replica context and inside `strategy.run`.
+    cross-replica context and inside `strategy.run` of that strategy, and
+    raises ValueError anywhere else. Created outside any scope, it holds
+    plain variables and works with or without a strategy.
 
     Args:
       initial_loss_scale: the starting scale, a Python number > 0 that fits in
@@ -214,6 +216,7 @@ class DynamicLossScale(LossScale):
         factor = validation.finite_float32("multiplier", multiplier, above=1)
         distribution.check_supported()
         super().__init__()
+        self._strategy = distribution.strategy_in_use()
         self._initial_loss_scale = initial
         self._increment_period = period
         self._multiplier = factor
@@ -244,6 +247,8 @@ class DynamicLossScale(LossScale):
 
     def update(self, grads):
         distribution.check_supported()
+        distribution.check_same_strategy("This DynamicLossScale",
+                                         self._strategy)
         return distribution.call_in_cross_replica_context(
             self._update_cross_replica, grads)
 
