@@ -1,0 +1,130 @@
+"""One worker of a MultiWorkerMirroredStrategy job that drives a loss scale.
+
+Not a test: tests start one process per worker, each with its own `TF_CONFIG`,
+and pass every worker the same JSON job description as the only argument:
+
+    {"initial_loss_scale": 4.0, "increment_period": 2, "multiplier": 2.0,
+     "poison": [[0.0, NaN], [0.0, 0.0], ...],
+     "contexts": ["replica", "cross_replica"]}
+
+`poison[step][replica]` is added to one of that replica's gradients in that
+step: 0.0 keeps the step finite, NaN, Infinity or -Infinity make it non-finite
+on that replica only (Python's `json` reads and writes these spellings).
+
+For each context the worker creates a fresh `DynamicLossScale` under the
+strategy's scope, runs every step in a `tf.function` and prints one JSON line:
+
+    {"task_id": 1, "context": "replica", "num_replicas": 2,
+     "scale": [...], "should_apply": [...], "replica_should_apply": [[...]],
+     "replica_scale_reads": [[...], ...], "variable_values": [[...], ...],
+     "collective_reductions_per_step": 1}
+
+Per step, `scale` and `should_apply` are what this worker saw;
+`replica_should_apply` and `replica_scale_reads` hold the decision and the
+scale as received inside `strategy.run` by each local replica, and
+`variable_values` each local copy of the scale variable, so a test can check
+that nothing diverges. `collective_reductions_per_step` counts the all-reduce
+ops in the traced step function. The test compares the lines of all
+workers with each other and with a single-process computation.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+import tf_lossscale  # pylint: disable=g-import-not-at-top
+
+
+def gradients_for(poison, step, replica):
+    """The gradients of `replica` in `step`, made non-finite by its poison.
+
+    Tests import this to feed a single-device loss scale the same gradients.
+    """
+    bad = poison[step, replica]
+    # Alternate which gradient carries the poison so the check has to look
+    # at all of them, not just the first.
+    first = tf.fill([3], 1.0) + tf.where(step % 2 == 0, bad, 0.0)
+    second = tf.fill([2, 2], 0.5) + tf.where(step % 2 == 1, bad, 0.0)
+    return [first, None, second]
+
+
+def replica_gradients(poison, step):
+    replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+    return gradients_for(poison, step, replica)
+
+
+def count_collective_reductions(concrete_function):
+    """All-reduce ops across workers in a traced step."""
+    return sum(1 for op in concrete_function.graph.get_operations()
+               if op.type.startswith("CollectiveReduce"))
+
+
+def run_context(strategy, job, context):
+    """Runs all steps in `context` and returns this worker's observations."""
+    poison = tf.constant(job["poison"], tf.float32)
+    with strategy.scope():
+        loss_scale = tf_lossscale.DynamicLossScale(
+            job["initial_loss_scale"], job["increment_period"],
+            job["multiplier"])
+    scale_variable, = [v for v in loss_scale.variables
+                       if "current_loss_scale" in v.name]
+
+    def update_in_replica(step):
+        _, should_apply = loss_scale.update(replica_gradients(poison, step))
+        # tf.identity gives each replica its own output, so the results show
+        # what every replica received rather than one shared tensor.
+        return tf.identity(should_apply), tf.identity(loss_scale())
+
+    @tf.function
+    def replica_step(step):
+        return strategy.run(update_in_replica, args=(step,))
+
+    @tf.function
+    def cross_replica_step(step):
+        # Cross-replica context means inside the scope: outside it there is
+        # no strategy to combine the workers' verdicts with.
+        with strategy.scope():
+            grads = strategy.run(replica_gradients, args=(poison, step))
+            _, should_apply = loss_scale.update(grads)
+            with tf.control_dependencies([should_apply]):
+                reads = strategy.run(lambda: tf.identity(loss_scale()))
+        return should_apply, reads
+
+    step_fn = replica_step if context == "replica" else cross_replica_step
+    observed = {
+        "task_id": strategy.cluster_resolver.task_id,
+        "context": context,
+        "num_replicas": strategy.num_replicas_in_sync,
+        "scale": [], "should_apply": [], "replica_should_apply": [],
+        "replica_scale_reads": [], "variable_values": [],
+    }
+    for step in range(len(job["poison"])):
+        should_apply, reads = step_fn(tf.constant(step))
+        local_should_apply = [
+            bool(s) for s in strategy.experimental_local_results(should_apply)]
+        observed["should_apply"].append(local_should_apply[0])
+        observed["replica_should_apply"].append(local_should_apply)
+        observed["scale"].append(float(loss_scale()))
+        observed["replica_scale_reads"].append(
+            [float(r) for r in strategy.experimental_local_results(reads)])
+        observed["variable_values"].append(
+            [float(v) for v in
+             strategy.experimental_local_results(scale_variable)])
+    observed["collective_reductions_per_step"] = count_collective_reductions(
+        step_fn.get_concrete_function(tf.constant(0)))
+    return observed
+
+
+def main(argv):
+    job = json.loads(argv[1])
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    for context in job["contexts"]:
+        print(json.dumps(run_context(strategy, job, context)), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
