@@ -191,14 +191,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self, learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
         _OWNERS[inner_optimizer] = weakref.ref(self)
-        self._loss_scale = resolved
+        # Checkpoints hold the loss scale under `loss_scale`, where tf-keras
+        # put it, not under the attribute's name that automatic tracking of
+        # `self._loss_scale = ...` would use.
+        object.__setattr__(self, "_loss_scale", resolved)
+        self._track_trackable(resolved, name="loss_scale")
         # `fit` uses the Keras 3 protocol; the TF 2.x methods switch it.
         self._caller_unscales = False
         with keras.name_scope(self.name):
             self._skipped_steps = keras.Variable(
                 0, name="skipped_steps", dtype="int64", trainable=False,
                 aggregation="none")
-        self._track_variable(self._skipped_steps)
 
     @property
     def loss_scale(self):
@@ -356,6 +359,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         indexed = {k: store[k] for k in store.keys()
                    if k not in loss_scale_keys}
         super().load_own_variables(indexed)
+        if len(indexed) != len(self.variables):
+            # Keras skipped the optimizer (e.g. not built yet): the scale
+            # alone must not jump ahead of the iterations and slots.
+            return
         for variable, key in self._loss_scale_store_keys():
             if key in store.keys():
                 variable.assign(store[key])
