@@ -106,7 +106,7 @@ def test_injected_nan_reaches_only_the_last_replica():
     features, labels = demo.synthetic_data(config)
     dataset = demo.training_dataset(features, labels, batch_size=8, steps=4,
                                     inject_nonfinite_every=2)
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    strategy = demo.make_strategy(2)
 
     nan_per_replica = [
         [bool(np.isnan(x.numpy()).any())

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import strategies
 import tf_lossscale
 
 NAN = float("nan")
@@ -37,10 +38,8 @@ LONG_SEQUENCE = "long"
 STRATEGIES = {
     "default": tf.distribute.get_strategy,
     "one_device": lambda: tf.distribute.OneDeviceStrategy("/cpu:0"),
-    "mirrored_2": lambda: tf.distribute.MirroredStrategy(
-        ["/cpu:0", "/cpu:1"]),
-    "mirrored_4": lambda: tf.distribute.MirroredStrategy(
-        ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]),
+    "mirrored_2": lambda: strategies.mirrored(2),
+    "mirrored_4": lambda: strategies.mirrored(4),
 }
 MULTI_REPLICA_STRATEGIES = ("mirrored_2", "mirrored_4")
 CONTEXTS = ("replica", "cross_replica")

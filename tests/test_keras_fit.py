@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import strategies
 import tf_lossscale
 from tf_lossscale import LossScaleOptimizer
 
@@ -179,7 +180,7 @@ def test_nan_on_one_replica_skips_the_step_on_all_replicas(nan_replica):
     keras.mixed_precision.set_global_policy("mixed_float16")
     loss_scale_config = {"initial_loss_scale": 8.0, "increment_period": 3,
                          "multiplier": 2.0}
-    strategy = tf.distribute.MirroredStrategy(_REPLICA_DEVICES)
+    strategy = strategies.mirrored(len(_REPLICA_DEVICES))
     model, optimizer = _compiled_mirrored_model(
         strategy, lambda: LossScaleOptimizer(
             keras.optimizers.SGD(0.1, momentum=0.9),
@@ -213,7 +214,7 @@ def test_keras_own_loss_scale_optimizer_misses_nan_on_replica_one():
     needs revisiting.
     """
     keras.mixed_precision.set_global_policy("mixed_float16")
-    strategy = tf.distribute.MirroredStrategy(_REPLICA_DEVICES)
+    strategy = strategies.mirrored(len(_REPLICA_DEVICES))
     model, optimizer = _compiled_mirrored_model(
         strategy, lambda: keras.mixed_precision.LossScaleOptimizer(
             keras.optimizers.SGD(0.1, momentum=0.9), initial_scale=8.0,
@@ -237,7 +238,7 @@ def test_finite_fit_step_under_mirrored_strategy_matches_one_device():
         return LossScaleOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
                                   loss_scale="dynamic")
 
-    strategy = tf.distribute.MirroredStrategy(_REPLICA_DEVICES)
+    strategy = strategies.mirrored(len(_REPLICA_DEVICES))
     mirrored_model, _ = _compiled_mirrored_model(strategy, make_optimizer)
     single_model = _model()
     single_model.compile(make_optimizer(), "mse")
@@ -253,7 +254,7 @@ def test_finite_fit_step_under_mirrored_strategy_matches_one_device():
 
 
 def test_apply_gradients_outside_replica_context_is_an_error():
-    strategy = tf.distribute.MirroredStrategy(_REPLICA_DEVICES)
+    strategy = strategies.mirrored(len(_REPLICA_DEVICES))
     with strategy.scope():
         variable = tf.Variable([1.0, 2.0])
         optimizer = LossScaleOptimizer(keras.optimizers.SGD())

@@ -284,11 +284,18 @@ def configure_devices(num_devices):
 
 
 def make_strategy(num_devices):
-    """MirroredStrategy over the first `num_devices` CPUs; None for one."""
+    """MirroredStrategy over the first `num_devices` CPUs; None for one.
+
+    Logical CPUs share one host, so gradients are reduced through one device.
+    That also lets `run` be called again in the same process: TensorFlow
+    numbers the collective ops of every new strategy from the same keys, and
+    strategies whose all-reduces differ would abort each other.
+    """
     if num_devices == 1:
         return None
     return tf.distribute.MirroredStrategy(
-        [f"/cpu:{index}" for index in range(num_devices)])
+        [f"/cpu:{index}" for index in range(num_devices)],
+        cross_device_ops=tf.distribute.ReductionToOneDevice())
 
 
 def synthetic_data(config):
