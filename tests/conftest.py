@@ -4,12 +4,17 @@ TensorFlow fixes its devices when it first initialises them, so the split has
 to happen once, when pytest imports this file and before any test runs.
 Single-device tests are unaffected: without a strategy everything runs on
 CPU:0. Tests needing a fresh process (multi-worker) start their own.
+
+Keras test files opt into `keras_isolation` with
+`pytestmark = pytest.mark.usefixtures("keras_isolation")`.
 """
 
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import keras  # pylint: disable=g-import-not-at-top
+import pytest  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 NUM_LOGICAL_CPUS = 4
@@ -17,3 +22,20 @@ NUM_LOGICAL_CPUS = 4
 tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices("CPU")[0],
     [tf.config.LogicalDeviceConfiguration()] * NUM_LOGICAL_CPUS)
+
+
+@pytest.fixture(scope="module")
+def _clear_keras_session_after_module():
+    # Once per file, not per test: clear_session collects garbage, which
+    # takes a while with TensorFlow loaded.
+    yield
+    keras.backend.clear_session()
+
+
+@pytest.fixture
+def keras_isolation(_clear_keras_session_after_module):
+    """Gives back the global dtype policy a test changed."""
+    del _clear_keras_session_after_module
+    policy = keras.mixed_precision.global_policy()
+    yield
+    keras.mixed_precision.set_global_policy(policy)

@@ -21,12 +21,7 @@ _NAN = float("nan")
 _INF = float("inf")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _clear_keras_session_after_module():
-    # Once per file: clear_session collects garbage, which takes a while
-    # with TensorFlow loaded.
-    yield
-    keras.backend.clear_session()
+pytestmark = pytest.mark.usefixtures("keras_isolation")
 
 
 def _sgd():
@@ -337,19 +332,30 @@ def test_float16_gradients_unscale_correctly_above_the_float16_range():
 # Custom training loops: the Keras 3 and the TF 2.x protocol.
 
 
+def _gradients_to_apply(optimizer, protocol, model, compute_loss):
+    """The gradients a step of `protocol` hands to `apply_gradients`.
+
+    "keras": of `scale_loss(loss)`, left scaled. "tf2": of
+    `get_scaled_loss(loss)`, then `get_unscaled_gradients`.
+    """
+    with tf.GradientTape() as tape:
+        loss = compute_loss()
+        if protocol == "keras":
+            target = optimizer.scale_loss(loss)
+        else:
+            target = optimizer.get_scaled_loss(loss)
+    grads = tape.gradient(target, model.trainable_variables)
+    if protocol == "tf2":
+        grads = optimizer.get_unscaled_gradients(grads)
+    return grads
+
+
 def _make_train_step(model, optimizer, protocol, use_function):
     """One training step; `grad_poison[i]` is added to gradient i."""
 
     def train_step(x, y, grad_poison):
-        with tf.GradientTape() as tape:
-            loss = _loss(model, x, y)
-            if protocol == "keras":
-                target = optimizer.scale_loss(loss)
-            else:
-                target = optimizer.get_scaled_loss(loss)
-        grads = tape.gradient(target, model.trainable_variables)
-        if protocol == "tf2":
-            grads = optimizer.get_unscaled_gradients(grads)
+        grads = _gradients_to_apply(
+            optimizer, protocol, model, lambda: _loss(model, x, y))
         grads = [g + p for g, p in zip(grads, tf.unstack(grad_poison))]
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
@@ -503,15 +509,8 @@ def test_sparse_embedding_gradients_are_unscaled_and_checked(protocol):
 
     @tf.function
     def train_step(embedding_poison):
-        with tf.GradientTape() as tape:
-            loss = _loss(model, x, y)
-            if protocol == "keras":
-                target = optimizer.scale_loss(loss)
-            else:
-                target = optimizer.get_scaled_loss(loss)
-        grads = tape.gradient(target, model.trainable_variables)
-        if protocol == "tf2":
-            grads = optimizer.get_unscaled_gradients(grads)
+        grads = _gradients_to_apply(
+            optimizer, protocol, model, lambda: _loss(model, x, y))
         sparse = grads[0]
         assert isinstance(sparse, tf.IndexedSlices)
         grads[0] = tf.IndexedSlices(sparse.values + embedding_poison,

@@ -30,19 +30,7 @@ _LOSS_SCALE_CONFIG = {"initial_loss_scale": 2.0**8, "increment_period": 3,
                       "multiplier": 2.0}
 
 
-@pytest.fixture(autouse=True)
-def _restore_dtype_policy():
-    policy = keras.mixed_precision.global_policy()
-    yield
-    keras.mixed_precision.set_global_policy(policy)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _clear_keras_session_after_module():
-    # Once per file: clear_session collects garbage, which takes a while
-    # with TensorFlow loaded.
-    yield
-    keras.backend.clear_session()
+pytestmark = pytest.mark.usefixtures("keras_isolation")
 
 
 def _model(seed=0):
