@@ -20,9 +20,10 @@ Contexts:
   the same result back.
 * no strategy (the default strategy): the local flag is the answer.
 
-Parameter-server and central-storage strategies are rejected: their variables
-are not replicated per replica, and a worker there cannot wait for the others'
-verdict before it applies its gradients.
+Parameter-server and central-storage strategies are rejected: they keep
+variables on parameter devices instead of mirroring them on every replica,
+and parameter-server workers apply their updates asynchronously, so there is
+no single step on which all replicas could agree.
 """
 
 import tensorflow as tf

@@ -52,9 +52,6 @@ _BASE_OPTIMIZER_DEFAULTS = {
     "gradient_accumulation_steps": None,
 }
 
-_DEFAULT_INITIAL_SCALE = 2.0**15
-_DEFAULT_GROWTH_STEPS = 2000
-
 # Inner optimizer -> the wrapper that owns it. Two wrappers sharing one inner
 # optimizer would each apply its update: the weights would move twice.
 _OWNERS = weakref.WeakKeyDictionary()
@@ -97,13 +94,12 @@ def _resolve_loss_scale(loss_scale, dynamic, initial_scale,
                 f"dynamic_growth_steps, got initial_scale={initial_scale!r}, "
                 f"dynamic_growth_steps={dynamic_growth_steps!r}")
         return loss_scale_lib.FixedLossScale(initial_scale)
+    given = {"initial_loss_scale": initial_scale,
+             "increment_period": dynamic_growth_steps}
+    # Keras' dynamic scale always grows and shrinks by 2.
     return loss_scale_lib.DynamicLossScale(
-        initial_loss_scale=(_DEFAULT_INITIAL_SCALE
-                            if initial_scale is None else initial_scale),
-        increment_period=(_DEFAULT_GROWTH_STEPS
-                          if dynamic_growth_steps is None
-                          else dynamic_growth_steps),
-        multiplier=2.0)
+        multiplier=2.0,
+        **{name: value for name, value in given.items() if value is not None})
 
 
 def _check_inner_optimizer(inner_optimizer):
