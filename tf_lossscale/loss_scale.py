@@ -118,8 +118,9 @@ class LossScale(tf.__internal__.tracking.Trackable, metaclass=abc.ABCMeta):
 class FixedLossScale(LossScale):
     """A loss scale that never changes.
 
-    `update` never asks to skip a step: with a fixed scale a non-finite
-    gradient cannot be cured by waiting, so it is applied like any other.
+    `update` never asks to skip a step: a fixed scale cannot react to an
+    overflow, so, as in TensorFlow, every step's gradients are applied,
+    non-finite ones included. Use `DynamicLossScale` to skip them.
 
     Args:
       loss_scale_value: a Python int or float >= 1 that fits in float32.
