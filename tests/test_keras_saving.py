@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import keras_models
 import tf_lossscale
 from tf_lossscale import LossScaleOptimizer
 
@@ -34,12 +35,7 @@ pytestmark = pytest.mark.usefixtures("keras_isolation")
 
 
 def _model(seed=0):
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential([
-        keras.Input((3,)),
-        keras.layers.Dense(4),
-        keras.layers.Dense(1),
-    ])
+    return keras_models.tiny_model(seed)
 
 
 def _optimizer():
