@@ -108,10 +108,10 @@ def call_for_each_replica(fn, *args):
     Per-replica values in `args` are unwrapped for each replica. Without a
     strategy, `fn` is simply called.
     """
-    if not tf.distribute.has_strategy():
+    strategy = strategy_in_use()
+    if strategy is None:
         return fn(*args)
-    return tf.distribute.get_strategy().extended.call_for_each_replica(
-        fn, args=args)
+    return strategy.extended.call_for_each_replica(fn, args=args)
 
 
 def _finite_as_float(grads):
@@ -124,10 +124,11 @@ def all_replicas_finite(grads):
     Must be called in cross-replica context (or without a strategy). `grads`
     may hold per-replica values, which each replica checks on its own device.
     """
-    if not tf.distribute.has_strategy():
+    strategy = strategy_in_use()
+    if strategy is None:
         return gradient_checks.all_finite(grads)
-    strategy = tf.distribute.get_strategy()
-    per_replica = call_for_each_replica(_finite_as_float, grads)
+    per_replica = strategy.extended.call_for_each_replica(
+        _finite_as_float, args=(grads,))
     finite_replicas = strategy.reduce(
         tf.distribute.ReduceOp.SUM, per_replica, axis=None)
     return tf.equal(finite_replicas,
