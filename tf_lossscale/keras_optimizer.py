@@ -23,9 +23,27 @@ Two protocols for a training step are supported:
 
 `apply_gradients` follows whichever of `scale_loss` or
 `get_scaled_loss`/`get_unscaled_gradients` was called last (while tracing, in a
-`tf.function`), so one step must not mix the two.
+`tf.function`), so one step must not mix the two. `get_scaled_loss` followed by
+`apply_gradients` without `get_unscaled_gradients` would apply gradients still
+multiplied by the scale; it raises a ValueError instead (at trace time inside a
+`tf.function`).
+
+Attributes as Keras' and tf-keras' wrappers have them: `inner_optimizer`,
+`dynamic`, `initial_scale`, `dynamic_growth_steps`, `dynamic_scale`,
+`dynamic_counter`, `learning_rate` and `iterations` (the inner optimizer's).
+Per-step hyperparameters of the inner optimizer (`weight_decay`, `clipnorm`,
+`clipvalue`, `global_clipnorm`, `ema_momentum`, `ema_overwrite_frequency`) read
+and write through to it; `use_ema` and `gradient_accumulation_steps` create
+slots when the inner optimizer is built, so setting them on the wrapper
+raises, as does `loss_scale_factor`.
+
+Saving (`.keras` files, checkpoints, and what they can be restored from) is
+described in `tf_lossscale.optimizer_saving`.
 """
 
+import math
+import numbers
+import warnings
 import weakref
 
 import keras
@@ -35,7 +53,9 @@ from tf_lossscale import distribution
 from tf_lossscale import gradient_checks
 from tf_lossscale import legacy_configs
 from tf_lossscale import loss_scale as loss_scale_lib
+from tf_lossscale import optimizer_saving
 from tf_lossscale import serialization
+from tf_lossscale import validation
 
 # Keras 3 writes these base-optimizer arguments into some saved wrapper
 # configs. They are accepted at their defaults, as Keras does; anything else
@@ -51,6 +71,16 @@ _BASE_OPTIMIZER_DEFAULTS = {
     "loss_scale_factor": None,
     "gradient_accumulation_steps": None,
 }
+
+# Inner-optimizer hyperparameters read on every step: on the wrapper they read
+# and write through to the inner optimizer.
+_CLIPPING = ("clipnorm", "clipvalue", "global_clipnorm")
+
+# Hyperparameters that cannot change on the wrapper: the first two decide
+# which slots the inner optimizer creates when it is built; a loss scale
+# factor would scale the loss a second time.
+_FIXED_AT_WRAPPING = ("use_ema", "gradient_accumulation_steps",
+                      "loss_scale_factor")
 
 # Inner optimizer -> the wrapper that owns it. Two wrappers sharing one inner
 # optimizer would each apply its update: the weights would move twice.
@@ -68,9 +98,62 @@ def _check_base_optimizer_kwargs(kwargs):
                 f"{key} on the inner optimizer instead")
 
 
+def _check_forwarded_hyperparameter(inner, name, value):
+    """Checks `value` for the inner optimizer's hyperparameter `name`."""
+    if value is None and name != "ema_momentum":
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number or None, got {value!r}")
+    if name == "ema_overwrite_frequency":
+        validation.positive_int(name, value)
+    elif name == "ema_momentum":
+        if not 0 <= value <= 1:
+            raise ValueError(f"ema_momentum must be in [0, 1], got {value!r}")
+    elif not math.isfinite(value) or value < 0 or (
+            value == 0 and name != "weight_decay"):
+        bound = ">= 0" if name == "weight_decay" else "> 0"
+        raise ValueError(
+            f"{name} must be a finite number {bound}, got {value!r}")
+    if name in _CLIPPING:
+        others = {other: getattr(inner, other) for other in _CLIPPING
+                  if other != name and getattr(inner, other) is not None}
+        if others:
+            raise ValueError(
+                f"Cannot set {name}={value!r}: the inner optimizer already "
+                f"clips with {others}; only one of clipnorm, clipvalue and "
+                "global_clipnorm can be set")
+
+
+def _forwarded_property(name):
+    """A wrapper attribute that reads and writes the inner optimizer's.
+
+    Keras' base constructor assigns every hyperparameter before the inner
+    optimizer is attached; those defaults are kept apart and never used.
+    """
+
+    def getter(self):
+        if "inner_optimizer" not in self.__dict__:
+            return self.__dict__.get(f"_wrapper_{name}")
+        return getattr(self.inner_optimizer, name)
+
+    def setter(self, value):
+        if "inner_optimizer" not in self.__dict__:
+            self.__dict__[f"_wrapper_{name}"] = value
+            return
+        _check_forwarded_hyperparameter(self.inner_optimizer, name, value)
+        setattr(self.inner_optimizer, name, value)
+
+    return property(getter, setter, doc=(
+        f"The inner optimizer's `{name}` (read and written through)."))
+
+
 def _resolve_loss_scale(loss_scale, dynamic, initial_scale,
                         dynamic_growth_steps):
-    """Returns the `LossScale` for the constructor's arguments."""
+    """Returns the `LossScale` for the constructor's arguments.
+
+    Keras-style arguments are checked under the names the caller used, so an
+    error says `initial_scale=-1`, not the loss scale's own argument name.
+    """
     if dynamic is None and initial_scale is None and (
             dynamic_growth_steps is None):
         resolved = serialization.get(loss_scale)
@@ -93,7 +176,12 @@ def _resolve_loss_scale(loss_scale, dynamic, initial_scale,
                 "dynamic=False needs initial_scale (the fixed scale) and no "
                 f"dynamic_growth_steps, got initial_scale={initial_scale!r}, "
                 f"dynamic_growth_steps={dynamic_growth_steps!r}")
+        validation.finite_float32("initial_scale", initial_scale, at_least=1)
         return loss_scale_lib.FixedLossScale(initial_scale)
+    if initial_scale is not None:
+        validation.finite_float32("initial_scale", initial_scale, above=0)
+    if dynamic_growth_steps is not None:
+        validation.positive_int("dynamic_growth_steps", dynamic_growth_steps)
     given = {"initial_loss_scale": initial_scale,
              "increment_period": dynamic_growth_steps}
     # Keras' dynamic scale always grows and shrinks by 2.
@@ -121,6 +209,22 @@ def _check_inner_optimizer(inner_optimizer):
             f"inner_optimizer has loss_scale_factor="
             f"{inner_optimizer.loss_scale_factor!r}; the LossScaleOptimizer "
             "scales the loss itself, so leave it unset")
+
+
+def _warn_if_scaling_bfloat16(loss_scale):
+    policy = keras.mixed_precision.global_policy()
+    if policy.compute_dtype != "bfloat16":
+        return
+    if isinstance(loss_scale, loss_scale_lib.FixedLossScale) and (
+            loss_scale.loss_scale_value == 1):
+        return
+    warnings.warn(
+        f"LossScaleOptimizer built under the {policy.name!r} dtype policy "
+        f"with {loss_scale!r}: bfloat16 has float32's range, so its "
+        "gradients do not underflow and scaling them only costs time. To "
+        "keep skipping steps with NaN/Inf gradients without scaling, use "
+        "loss_scale=tf_lossscale.FixedLossScale(1, skip_non_finite=True).",
+        UserWarning, stacklevel=3)
 
 
 def _compute_dtype(dtype):
@@ -194,10 +298,32 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._track_trackable(resolved, name="loss_scale")
         # `fit` uses the Keras 3 protocol; the TF 2.x methods switch it.
         self._caller_unscales = False
+        # Set by get_scaled_loss until get_unscaled_gradients is called.
+        self._awaiting_unscale = False
         with keras.name_scope(self.name):
             self._skipped_steps = keras.Variable(
                 0, name="skipped_steps", dtype="int64", trainable=False,
                 aggregation="none")
+        _warn_if_scaling_bfloat16(resolved)
+
+    # Keras-compatible attributes.
+
+    weight_decay = _forwarded_property("weight_decay")
+    clipnorm = _forwarded_property("clipnorm")
+    clipvalue = _forwarded_property("clipvalue")
+    global_clipnorm = _forwarded_property("global_clipnorm")
+    ema_momentum = _forwarded_property("ema_momentum")
+    ema_overwrite_frequency = _forwarded_property("ema_overwrite_frequency")
+
+    def __setattr__(self, name, value):
+        if name in _FIXED_AT_WRAPPING and "inner_optimizer" in self.__dict__:
+            reason = (" (the wrapper scales the loss itself)"
+                      if name == "loss_scale_factor" else "")
+            raise ValueError(
+                f"Cannot set {name}={value!r} on a LossScaleOptimizer{reason}: "
+                "set it on the inner optimizer before wrapping it, e.g. "
+                f"LossScaleOptimizer(keras.optimizers.Adam({name}=...))")
+        super().__setattr__(name, value)
 
     @property
     def loss_scale(self):
@@ -222,9 +348,24 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.inner_optimizer.learning_rate = learning_rate
 
     @property
+    def dynamic(self):
+        """Whether the loss scale is dynamic (a `DynamicLossScale`)."""
+        return isinstance(self._loss_scale, loss_scale_lib.DynamicLossScale)
+
+    @property
     def dynamic_scale(self):
         """The current scale, as Keras' own LossScaleOptimizer names it."""
         return self._loss_scale()
+
+    @property
+    def dynamic_counter(self):
+        """Good steps since the scale last changed; None for a fixed scale."""
+        return self._loss_scale.good_steps if self.dynamic else None
+
+    @property
+    def variables(self):
+        """All state: the wrapper's, the loss scale's, the inner optimizer's."""
+        return optimizer_saving.listed_variables(self)
 
     @property
     def initial_scale(self):
@@ -252,6 +393,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """Keras 3 protocol: returns `loss * scale`; `apply_gradients` then
         takes the scaled gradients and unscales them."""
         self._caller_unscales = False
+        self._awaiting_unscale = False
         return self._scale(loss)
 
     def get_scaled_loss(self, loss):
@@ -261,7 +403,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         scaled loss comes back. Unscale the gradients with
         `get_unscaled_gradients` before `apply_gradients`.
         """
-        self._caller_unscales = True
+        self._caller_unscales = False
+        self._awaiting_unscale = True
         return self._scale(loss)
 
     def get_unscaled_gradients(self, grads):
@@ -270,12 +413,21 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         `None` entries stay None; `tf.IndexedSlices` stay IndexedSlices.
         """
         self._caller_unscales = True
+        self._awaiting_unscale = False
         scale = self._loss_scale()
         return tf.nest.map_structure(lambda g: _unscale(g, scale), grads)
 
     # Applying.
 
     def apply_gradients(self, grads_and_vars):
+        if self._awaiting_unscale:
+            raise ValueError(
+                "apply_gradients got the gradients of get_scaled_loss's loss "
+                "without get_unscaled_gradients: they are still multiplied by "
+                "the loss scale. Call grads = optimizer."
+                "get_unscaled_gradients(grads) before apply_gradients, or use "
+                "optimizer.scale_loss(loss) instead of get_scaled_loss, and "
+                "apply_gradients unscales them itself.")
         grads, trainable_variables = zip(*grads_and_vars)
         self.apply(grads, trainable_variables)
         return self.iterations
@@ -343,29 +495,18 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def finalize_variable_values(self, var_list):
         self.inner_optimizer.finalize_variable_values(var_list)
 
-    # Saving.
+    # Saving: see tf_lossscale.optimizer_saving.
 
     def save_own_variables(self, store):
-        super().save_own_variables(store)
-        for variable, key in self._loss_scale_store_keys():
-            store[key] = variable.numpy()
+        optimizer_saving.save_own_variables(self, store)
 
     def load_own_variables(self, store):
-        loss_scale_keys = {key for _, key in self._loss_scale_store_keys()}
-        indexed = {k: store[k] for k in store.keys()
-                   if k not in loss_scale_keys}
-        super().load_own_variables(indexed)
-        if len(indexed) != len(self.variables):
-            # Keras skipped the optimizer (e.g. not built yet): the scale
-            # alone must not jump ahead of the iterations and slots.
-            return
-        for variable, key in self._loss_scale_store_keys():
-            if key in store.keys():
-                variable.assign(store[key])
+        optimizer_saving.load_own_variables(self, store)
 
-    def _loss_scale_store_keys(self):
-        return [(variable, f"loss_scale.{index}")
-                for index, variable in enumerate(self._loss_scale.variables)]
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        return optimizer_saving.checkpoint_children(
+            self, super()._trackable_children(save_type, **kwargs),
+            save_type, **kwargs)
 
     def get_config(self):
         return {
