@@ -598,7 +598,7 @@ class DynamicLossScale(LossScale):
                 "tf_lossscale: a loss scale back-off was due but the scale "
                 f"is already at min_loss_scale={floor!r} (current scale {{}}); "
                 "steps skipped in a row for non-finite gradients: {} "
-                "(on_min_loss_scale='raise'). The gradients overflow even at "
+                "(on_min_loss_scale=raise). The gradients overflow even at "
                 "the smallest scale allowed: look for NaN/Inf in the data or "
                 "the model, or lower min_loss_scale.", (scale, skips)))
         limit = self._max_consecutive_skips
