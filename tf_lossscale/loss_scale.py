@@ -86,6 +86,7 @@ from tf_lossscale import validation
 
 POLICIES = ("continue", "warn", "raise")
 WARNING_PREFIX = "tf_lossscale WARNING:"
+_FLOAT32_INF_BITS = 0x7F800000
 
 
 class _DefaultFloor(float):
@@ -563,8 +564,12 @@ class DynamicLossScale(LossScale):
         scalar ops per step, and no formatting op, so XLA compiles it.
         """
         scale, good_steps = state.scale, state.good_steps
+        # On the bits: CPUs that flush subnormals to zero would call a valid
+        # subnormal scale "not > 0". Finite positive float32 values are
+        # exactly the bit patterns strictly between +0 and +inf.
+        bits = tf.bitcast(scale, tf.int32)
         valid = tf.logical_and(
-            tf.logical_and(tf.math.is_finite(scale), scale > 0),
+            tf.logical_and(bits > 0, bits < _FLOAT32_INF_BITS),
             good_steps >= 0)
         problem = ("tf_lossscale: DynamicLossScale holds a state that cannot "
                    "be right (restored from a checkpoint or assigned?): "
