@@ -310,3 +310,20 @@ def test_mirrored_warning_is_printed_once_per_step_not_per_replica(capfd):
     lines = [line for line in capfd.readouterr().err.splitlines()
              if line.startswith(_WARNING)]
     assert len(lines) == 2, lines
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(on_min_loss_scale="warn"), dict(on_min_loss_scale="raise"),
+    dict(max_consecutive_skips=3)], ids=["warn", "raise", "max_skips"])
+def test_policies_refuse_to_compile_under_xla_instead_of_dropping(kwargs):
+    # XLA drops assertion ops and cannot print; a step that silently lost
+    # its policy would be worse than one that does not compile.
+    loss_scale = tf_lossscale.DynamicLossScale(**kwargs)
+
+    @tf.function(jit_compile=True)
+    def step(g):
+        return loss_scale.update([g])[1]
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="XLA"):
+        step(tf.constant(1.0))
+    assert float(loss_scale()) == 2.0**15
