@@ -11,6 +11,12 @@ and pass every worker the same JSON job description as the only argument:
 step: 0.0 keeps the step finite, NaN, Infinity or -Infinity make it non-finite
 on that replica only (Python's `json` reads and writes these spellings).
 
+An optional key "failure": {"loss_scale": {DynamicLossScale kwargs},
+"poison": [...]} runs last: a loss scale whose policy makes some step fail.
+The worker then prints one more line, with "context": "failure", the scale
+after each step that passed, the step that failed (or null), the error's
+type and message, and the local copies of every state variable afterwards.
+
 For each context the worker creates a fresh `DynamicLossScale` under the
 strategy's scope, runs every step in a `tf.function` and prints one JSON line:
 
@@ -119,11 +125,47 @@ def run_context(strategy, job, context):
     return observed
 
 
+def run_failure(strategy, spec):
+    """Steps a failing loss scale until its step fails; returns what it saw."""
+    poison = tf.constant(spec["poison"], tf.float32)
+    with strategy.scope():
+        loss_scale = tf_lossscale.DynamicLossScale(**spec["loss_scale"])
+
+    def update_in_replica(step):
+        _, should_apply = loss_scale.update(replica_gradients(poison, step))
+        return tf.identity(should_apply)
+
+    @tf.function
+    def step_fn(step):
+        return strategy.run(update_in_replica, args=(step,))
+
+    observed = {"task_id": strategy.cluster_resolver.task_id,
+                "context": "failure", "scale": [], "failed_at_step": None,
+                "error_type": None, "error": None}
+    for step in range(len(spec["poison"])):
+        try:
+            step_fn(tf.constant(step))
+        except tf.errors.OpError as error:
+            observed["failed_at_step"] = step
+            observed["error_type"] = type(error).__name__
+            observed["error"] = error.message[-1000:]
+            break
+        observed["scale"].append(float(loss_scale()))
+    observed["state"] = {
+        variable.name.split(":")[0]: [
+            v.numpy().item()
+            for v in strategy.experimental_local_results(variable)]
+        for variable in loss_scale.variables}
+    return observed
+
+
 def main(argv):
     job = json.loads(argv[1])
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     for context in job["contexts"]:
         print(json.dumps(run_context(strategy, job, context)), flush=True)
+    if "failure" in job:
+        print(json.dumps(run_failure(strategy, job["failure"])), flush=True)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import strategies
 import tf_lossscale
 
 _NAN = float("nan")
@@ -334,3 +335,65 @@ def test_tf1_graph_repr_shows_configuration():
     assert _state_in(text, "initial_loss_scale", 96.0)
     assert _state_in(text, "increment_period", 7)
     assert _state_in(text, "multiplier", 3.0)
+
+
+# ---------------------------------------------------------------------------
+# `_update_from_all_finite`: the update for optimizers that compute the
+# all-replica finiteness flag themselves.
+
+
+def test_update_from_all_finite_steps_like_update_eagerly():
+    # pylint: disable=protected-access
+    from_flag = tf_lossscale.DynamicLossScale(initial_loss_scale=8,
+                                              increment_period=2)
+    from_grads = tf_lossscale.DynamicLossScale(initial_loss_scale=8,
+                                               increment_period=2)
+    assert from_flag._needs_finiteness is True
+    for finite in [T, T, F, T, F, F, T, T]:
+        update_op, should_apply = from_flag._update_from_all_finite(
+            tf.constant(finite))
+        assert update_op is None
+        assert bool(should_apply) is finite
+        from_grads.update(_grads(_last_gradient(finite)))
+        assert [v.numpy() for v in from_flag.variables] == [
+            v.numpy() for v in from_grads.variables]
+
+
+def test_update_from_all_finite_in_graph_orders_should_apply_after_the_update():
+    loss_scale = tf_lossscale.DynamicLossScale(initial_loss_scale=8,
+                                               increment_period=1)
+    seen = []
+
+    @tf.function
+    def step(all_finite):
+        update_op, should_apply = loss_scale._update_from_all_finite(  # pylint: disable=protected-access
+            all_finite)
+        seen.append(update_op)
+        # Reading the scale after should_apply sees the update.
+        with tf.control_dependencies([should_apply]):
+            return should_apply, loss_scale()
+
+    should_apply, scale = step(tf.constant(True))
+    assert isinstance(seen[0], tf.Operation)
+    assert bool(should_apply) and float(scale) == 16.0
+    should_apply, scale = step(tf.constant(False))
+    assert not bool(should_apply) and float(scale) == 8.0
+
+
+def test_update_from_all_finite_under_mirrored_cross_replica_context():
+    strategy = strategies.mirrored(2)
+    with strategy.scope():
+        loss_scale = tf_lossscale.DynamicLossScale(initial_loss_scale=8,
+                                                   increment_period=1)
+
+    @tf.function
+    def step(all_finite):
+        with strategy.scope():
+            return loss_scale._update_from_all_finite(all_finite)[1]  # pylint: disable=protected-access
+
+    assert bool(step(tf.constant(True)))
+    assert not bool(step(tf.constant(False)))
+    assert not bool(step(tf.constant(False)))
+    copies = [c.numpy() for c in strategy.experimental_local_results(
+        loss_scale.variables[0])]
+    assert copies == [4.0, 4.0]

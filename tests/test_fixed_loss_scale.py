@@ -1,9 +1,12 @@
 """Behaviour of `FixedLossScale` and of the abstract `LossScale` base."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import keras_models
+import strategies
 import tf_lossscale
 
 _NAN = float("nan")
@@ -184,3 +187,139 @@ def test_is_trackable_by_checkpoints():
     checkpoint = tf.train.Checkpoint(loss_scale=loss_scale)
     assert checkpoint.loss_scale is loss_scale
 
+
+
+# ---------------------------------------------------------------------------
+# skip_non_finite=True: a finite check without scaling (mixed_bfloat16).
+
+
+def _skipping(value=1):
+    return tf_lossscale.FixedLossScale(value, skip_non_finite=True)
+
+
+_FINITE = {"finite": True, "nan": False, "inf": False, "none": True}
+
+
+@pytest.mark.parametrize("grads", _GRADIENTS.keys())
+def test_skip_non_finite_asks_to_skip_exactly_the_non_finite_steps(grads):
+    loss_scale = _skipping(8)
+    update_op, should_apply = loss_scale.update(_GRADIENTS[grads]())
+    assert update_op is None
+    assert bool(should_apply) is _FINITE[grads]
+    assert loss_scale().numpy() == 8.0
+
+
+@pytest.mark.parametrize("mode", ["tf_function", "tf1_graph"])
+def test_skip_non_finite_in_graphs_returns_op_and_bool_tensor(mode):
+    values = [[1.0, 2.0], [1.0, _NAN], [_INF, 0.0], [3.0, 4.0]]
+    if mode == "tf_function":
+        loss_scale = _skipping(4)
+        seen = []
+
+        @tf.function
+        def step(grad):
+            update_op, should_apply = loss_scale.update([grad])
+            seen.append(update_op)
+            return should_apply
+
+        flags = [bool(step(tf.constant(v))) for v in values]
+        assert isinstance(seen[0], tf.Operation)
+    else:
+        with tf.Graph().as_default():
+            loss_scale = _skipping(4)
+            grad = tf.compat.v1.placeholder(tf.float32, [2])
+            update_op, should_apply = loss_scale.update([grad])
+            assert isinstance(update_op, tf.Operation)
+            with tf.compat.v1.Session() as session:
+                flags = [bool(session.run(should_apply, {grad: v}))
+                         for v in values]
+    assert flags == [True, False, False, True]
+    assert loss_scale.variables == ()
+
+
+def test_skip_non_finite_is_keyword_only_and_a_bool():
+    with pytest.raises(TypeError):
+        tf_lossscale.FixedLossScale(1, True)  # pylint: disable=too-many-function-args
+    for value in [1, 0, None, "True", np.float32(1)]:
+        with pytest.raises(TypeError, match="skip_non_finite"):
+            tf_lossscale.FixedLossScale(1, skip_non_finite=value)
+    assert _skipping().skip_non_finite is True
+    assert tf_lossscale.FixedLossScale(
+        1, skip_non_finite=np.bool_(True)).skip_non_finite is True
+    assert tf_lossscale.FixedLossScale(1).skip_non_finite is False
+
+
+def test_skip_non_finite_appears_in_config_only_when_true():
+    assert tf_lossscale.FixedLossScale(2).get_config() == {
+        "loss_scale_value": 2.0}
+    assert tf_lossscale.FixedLossScale(
+        2, skip_non_finite=False).get_config() == {"loss_scale_value": 2.0}
+    config = _skipping(2).get_config()
+    assert config == {"loss_scale_value": 2.0, "skip_non_finite": True}
+    restored = tf_lossscale.FixedLossScale.from_config(config)
+    assert restored.skip_non_finite is True
+    assert repr(restored) == "FixedLossScale(2.0, skip_non_finite=True)"
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_update_from_all_finite_and_needs_finiteness(skip):
+    loss_scale = tf_lossscale.FixedLossScale(4, skip_non_finite=skip)
+    # pylint: disable=protected-access
+    assert loss_scale._needs_finiteness is skip
+    for all_finite in (True, False):
+        update_op, should_apply = loss_scale._update_from_all_finite(
+            tf.constant(all_finite))
+        assert update_op is None
+        assert bool(should_apply) is (all_finite or not skip)
+    if not skip:
+        assert loss_scale._update_from_all_finite(tf.constant(False))[1] is True
+
+    @tf.function
+    def graph_update(all_finite):
+        update_op, should_apply = loss_scale._update_from_all_finite(
+            all_finite)
+        assert isinstance(update_op, tf.Operation)
+        return tf.convert_to_tensor(should_apply)
+
+    assert bool(graph_update(tf.constant(False))) is not skip
+
+
+def test_skip_non_finite_agrees_across_mirrored_replicas():
+    strategy = strategies.mirrored(2)
+    loss_scale = _skipping()
+
+    @tf.function
+    def step(poison):
+        def replica_fn():
+            replica = tf.distribute.get_replica_context(
+            ).replica_id_in_sync_group
+            grad = tf.fill([2], 1.0) + tf.where(replica == 1, poison, 0.0)
+            return tf.identity(loss_scale.update([grad])[1])
+        return strategy.run(replica_fn)
+
+    for poison, expected in [(0.0, True), (_NAN, False), (0.0, True)]:
+        flags = strategy.experimental_local_results(step(tf.constant(poison)))
+        assert [bool(f) for f in flags] == [expected, expected]
+
+
+@pytest.mark.usefixtures("keras_isolation")
+def test_bfloat16_fit_skips_a_nan_batch_and_keeps_weights_bit_identical():
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    model = keras_models.tiny_model()
+    optimizer = tf_lossscale.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.9), loss_scale=_skipping())
+    model.compile(optimizer, "mse")
+    assert model.optimizer is optimizer
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 3)).astype(np.float32)
+    y = rng.normal(size=(8, 1)).astype(np.float32)
+    model.fit(x, y, batch_size=8, verbose=0)
+    state = model.weights + optimizer.inner_optimizer.variables
+    before = [v.numpy() for v in state]
+    x[2, 1] = _NAN
+    model.fit(x, y, batch_size=8, verbose=0)
+    for variable, value in zip(state, before):
+        np.testing.assert_array_equal(variable.numpy(), value)
+    assert int(optimizer.skipped_steps) == 1
+    assert int(optimizer.iterations.numpy()) == 1
+    assert float(optimizer.loss_scale()) == 1.0

@@ -5,7 +5,10 @@ Two processes on 127.0.0.1 form a `MultiWorkerMirroredStrategy` cluster and run
 If the workers decided separately, worker 0 would apply a step that worker 1
 skips and the next gradient all-reduce would wait for a peer that never joins.
 The tests pin down that both workers print the same trace, and that it is the
-trace of the single-device algorithm fed both workers' gradients.
+trace of the single-device algorithm fed both workers' gradients. The same
+job then runs a loss scale with on_min_loss_scale="raise" into its floor:
+both workers must fail on the same step with the same error (a worker that
+failed alone would leave its peer hanging in the next all-reduce).
 
 Parameter-server training cannot wait for such a shared verdict; a separate
 process checks that it is refused with a clear error.
@@ -24,6 +27,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import dynamic_rule_model
 import multi_worker_loss_scale_worker as worker_program
 
 NUM_WORKERS = 2
@@ -38,6 +42,14 @@ STDERR_TAIL_CHARS = 4000
 CONTEXTS = ("replica", "cross_replica")
 JOB = {"initial_loss_scale": 8.0, "increment_period": 3, "multiplier": 2.0,
        "contexts": list(CONTEXTS)}
+_NAN = float("nan")
+# Only worker 1 overflows. With a hysteresis of 2 the scale backs off from
+# 4 to 2 to 1 on steps 2 and 3; step 4 is a back-off at the floor.
+FAILURE = {
+    "loss_scale": {"initial_loss_scale": 4.0, "increment_period": 2,
+                   "hysteresis": 2, "on_min_loss_scale": "raise"},
+    "poison": [[0.0, _NAN], [0.0, 0.0]] + [[0.0, _NAN]] * 5,
+}
 
 
 def worker_1_poison_schedule(num_steps=150, seed=0):
@@ -127,7 +139,8 @@ def run_workers(job):
             with open(path) as f:
                 outputs.append([json.loads(line) for line in f
                                 if line.startswith("{")])
-        if any(len(lines) != len(job["contexts"]) for lines in outputs):
+        expected_lines = len(job["contexts"]) + ("failure" in job)
+        if any(len(lines) != expected_lines for lines in outputs):
             pytest.fail(f"expected one JSON line per context, got {outputs}\n"
                         f"{stderr_tails(stderr_paths)}")
     return outputs
@@ -136,7 +149,7 @@ def run_workers(job):
 @pytest.fixture(scope="module")
 def worker_traces():
     """{context: [worker 0's observations, worker 1's observations]}."""
-    job = dict(JOB, poison=worker_1_poison_schedule())
+    job = dict(JOB, poison=worker_1_poison_schedule(), failure=FAILURE)
     outputs = run_workers(job)
     traces = {}
     for task_id, lines in enumerate(outputs):
@@ -217,6 +230,33 @@ def test_update_all_reduces_one_value_across_workers_per_step(
     _, traces = worker_traces
     for observed in traces[context]:
         assert observed["collective_reductions_per_step"] == 1
+
+
+def test_both_workers_fail_on_the_same_step_with_the_same_state(
+        worker_traces):
+    _, traces = worker_traces
+    worker_0, worker_1 = traces["failure"]
+    model = dynamic_rule_model.RuleModel(**FAILURE["loss_scale"])
+    expected_scales = []
+    for row in FAILURE["poison"]:
+        failure = model.step(all(np.isfinite(row)))
+        if failure:
+            break
+        expected_scales.append(float(model.scale))
+    assert failure == "raise"
+    expected_state = {"current_loss_scale": float(model.scale),
+                      "good_steps": model.good_steps,
+                      "hysteresis_remaining": model.hysteresis_left,
+                      "consecutive_skips": model.skips_in_a_row}
+    for observed in (worker_0, worker_1):
+        assert observed["failed_at_step"] == len(expected_scales) == 4
+        assert observed["error_type"] == "InvalidArgumentError"
+        assert "min_loss_scale=1.0" in observed["error"]
+        assert "non-finite gradients: 3" in observed["error"]
+        assert observed["scale"] == expected_scales
+        # Every local copy holds the state after the failing (skipped) step.
+        assert observed["state"] == {
+            name: [value] for name, value in expected_state.items()}
 
 
 # Parameter-server training needs a cluster; connecting to one changes the

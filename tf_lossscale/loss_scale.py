@@ -26,34 +26,96 @@ The contract every loss scale honours:
 
 Under `tf.distribute`, `update` may be called in cross-replica context with
 per-replica gradients, or inside `strategy.run`; either way all replicas and
-workers agree on the result (see `tf_lossscale.distribution`).
+workers agree on the result (see `tf_lossscale.distribution`). The built-in
+loss scales split `update` in two: the all-replica finiteness flag, then
+`_update_from_all_finite(all_finite)`, which runs once in cross-replica
+context and holds the whole state transition, so an optimizer that computes
+the flag itself can drive them directly.
 
-The dynamic algorithm (`DynamicLossScale`), with state S (float32) and a
-counter of good steps G (int64), both in non-trainable variables:
+The dynamic algorithm (`DynamicLossScale`). State: the scale S (float32), the
+count of good steps G (int64) and, only when a feature needs them, the
+hysteresis budget H (int64, starts at `hysteresis`) and the count of
+consecutive skipped steps C (int64, starts at 0). Per step, all of it changes
+together:
 
-* finite step: if G + 1 >= increment_period, set S to S * multiplier when that
-  product is finite in float32 (S never becomes inf) and reset G to 0;
-  otherwise G += 1;
-* non-finite step (any NaN, +Inf or -Inf): S = max(S / multiplier, 1), G = 0,
-  and the step's gradients must be skipped.
+* finite step: C = 0; if `consecutive_hysteresis`, H = hysteresis.
+  If G + 1 >= increment_period: S = min(S * multiplier, max_loss_scale) when
+  S * multiplier is finite in float32 (otherwise S is unchanged), G = 0 and
+  H = hysteresis. Otherwise G = G + 1.
+* non-finite step (any NaN, +Inf or -Inf; the step must be skipped): G = 0,
+  C = C + 1, H = max(H - 1, 0). If H == 0 a back-off is due:
+  S = max(S * backoff_factor, min_loss_scale), or
+  max(S / multiplier, min_loss_scale) when `backoff_factor` is None. If S was
+  already at the floor (S <= min_loss_scale) when the back-off was due,
+  `on_min_loss_scale` decides: "continue" does nothing more, "warn" prints
+  one line to stderr, "raise" fails the step. Then, if `max_consecutive_skips`
+  is set and C >= max_consecutive_skips, the step fails.
 
-Arithmetic is float32 throughout, in the same order as TensorFlow's
-`tf.compat.v1.mixed_precision.DynamicLossScale`, so both give bit-identical
-scales for every sequence of steps; variables carry the same checkpoint names
-(`current_loss_scale`, `good_steps`) so checkpoints move freely between them.
+Without H (hysteresis=1) every non-finite step backs off. A failing step has
+already recorded itself in the state (it was skipped); the failure is a
+`tf.errors.InvalidArgumentError`, raised eagerly or by an assertion op in
+graphs. Before any of this, a state that cannot be right (S not finite or
+<= 0, G < 0), for instance restored from a damaged checkpoint or assigned by
+hand, fails the step with an InvalidArgumentError naming the values, and no
+variable changes.
+
+With its default arguments the rule is TensorFlow's
+`tf.compat.v1.mixed_precision.DynamicLossScale`: arithmetic is float32
+throughout, in the same order, so both give bit-identical scales for every
+sequence of steps; the state is the same two variables under the same
+checkpoint names (`current_loss_scale`, `good_steps`) and `get_config()` the
+same three keys, so checkpoints and configs move freely between them. The
+extra variables are `hysteresis_remaining` and `consecutive_skips`; non-default
+arguments appear in `get_config()`.
+
+Under XLA (`jit_compile=True`) the state check compiles but does nothing, as
+XLA drops assertion ops; "warn", "raise" and `max_consecutive_skips` format
+their messages with ops XLA cannot compile, so a `jit_compile` step using them
+is refused when it is compiled. Use those features without `jit_compile`.
 """
 
 import abc
+import sys
+from typing import NamedTuple, Optional
 
+import numpy as np
 import tensorflow as tf
 
 from tf_lossscale import distribution
 from tf_lossscale import validation
 
+POLICIES = ("continue", "warn", "raise")
+WARNING_PREFIX = "tf_lossscale WARNING:"
+_FLOAT32_INF_BITS = 0x7F800000
+
+
+class _DefaultFloor(float):
+    """The type of `min_loss_scale`'s default: 1.0, but told from an explicit 1.0.
+
+    Only an explicit floor above `initial_loss_scale` is an error; with the
+    default one, an initial scale below 1 keeps TensorFlow's behaviour.
+    """
+
+    __slots__ = ()
+
+
+_DEFAULT_MIN_LOSS_SCALE = _DefaultFloor(1.0)
+
 
 def _graph_op(op):
     """`op` while building a graph; None when executing eagerly."""
     return None if tf.executing_eagerly() else op
+
+
+def _invalid_argument(message):
+    return tf.errors.InvalidArgumentError(None, None, message)
+
+
+def _update_from_grads(loss_scale, grads):
+    """Cross-replica context: the shared finiteness flag drives the update."""
+    # pylint: disable=protected-access
+    return loss_scale._update_from_all_finite(
+        distribution.all_replicas_finite(grads))
 
 
 class LossScale(tf.__internal__.tracking.Trackable, metaclass=abc.ABCMeta):
@@ -118,76 +180,176 @@ class LossScale(tf.__internal__.tracking.Trackable, metaclass=abc.ABCMeta):
 class FixedLossScale(LossScale):
     """A loss scale that never changes.
 
-    `update` never asks to skip a step: a fixed scale cannot react to an
-    overflow, so, as in TensorFlow, every step's gradients are applied,
-    non-finite ones included. Use `DynamicLossScale` to skip them.
+    By default, as in TensorFlow, `update` never asks to skip a step: every
+    step's gradients are applied, non-finite ones included, and no finiteness
+    check is computed at all. With `skip_non_finite=True` a step whose
+    gradients are not all finite (on any replica) is skipped, still without
+    ever changing the scale: the check-only mode for `mixed_bfloat16`, whose
+    range needs no scaling but whose weights a NaN batch would still ruin
+    (`FixedLossScale(1, skip_non_finite=True)`).
 
     Args:
       loss_scale_value: a Python int or float >= 1 that fits in float32.
+      skip_non_finite: keyword-only bool; True skips non-finite steps.
 
     Raises:
-      TypeError: `loss_scale_value` is a bool or not a number.
+      TypeError: `loss_scale_value` is a bool or not a number, or
+        `skip_non_finite` is not a bool.
       ValueError: `loss_scale_value` is < 1, NaN, inf or beyond float32.
     """
 
-    def __init__(self, loss_scale_value):
+    def __init__(self, loss_scale_value, *, skip_non_finite=False):
         value = validation.finite_float32(
             "loss_scale_value", loss_scale_value, at_least=1)
+        skip = validation.boolean("skip_non_finite", skip_non_finite)
         super().__init__()
         # A Python float, not a tensor: a tensor made here could end up on
         # another device or in another graph than where it is used.
         self._loss_scale_value = value
+        self._skip_non_finite = skip
 
     @property
     def loss_scale_value(self):
         return self._loss_scale_value
 
+    @property
+    def skip_non_finite(self):
+        return self._skip_non_finite
+
+    @property
+    def _needs_finiteness(self):
+        """Whether `update` looks at the gradients at all."""
+        return self._skip_non_finite
+
     def __call__(self):
         return tf.constant(self._loss_scale_value, dtype=tf.float32)
 
     def update(self, grads):
-        del grads  # A fixed scale ignores them.
-        return _graph_op(tf.no_op()), True
+        if not self._skip_non_finite:
+            return _graph_op(tf.no_op()), True
+        distribution.check_supported()
+        return distribution.call_in_cross_replica_context(
+            _update_from_grads, self, grads)
+
+    def _update_from_all_finite(self, all_finite):
+        """`update` given the all-replica finiteness flag (cross-replica)."""
+        if not self._skip_non_finite:
+            return _graph_op(tf.no_op()), True
+        return _graph_op(tf.no_op()), tf.convert_to_tensor(all_finite)
 
     def get_config(self):
-        return {"loss_scale_value": self._loss_scale_value}
+        config = {"loss_scale_value": self._loss_scale_value}
+        if self._skip_non_finite:
+            config["skip_non_finite"] = True
+        return config
 
     def __repr__(self):
-        return f"FixedLossScale({self._loss_scale_value!r})"
+        skip = ", skip_non_finite=True" if self._skip_non_finite else ""
+        return f"FixedLossScale({self._loss_scale_value!r}{skip})"
 
 
-def next_dynamic_state(scale, good_steps, is_finite, increment_period,
-                       multiplier):
+class DynamicRule(NamedTuple):
+    """The parameters of the dynamic algorithm that shape a step."""
+    increment_period: int
+    multiplier: float
+    backoff_factor: Optional[float] = None
+    min_loss_scale: float = 1.0
+    max_loss_scale: Optional[float] = None
+    hysteresis: int = 1
+    consecutive_hysteresis: bool = False
+
+
+class DynamicState(NamedTuple):
+    """Scalar tensors: S, G and, when they exist, H and C."""
+    scale: tf.Tensor
+    good_steps: tf.Tensor
+    hysteresis_remaining: Optional[tf.Tensor] = None
+    consecutive_skips: Optional[tf.Tensor] = None
+
+
+def next_dynamic_state(state, is_finite, rule):
     """One step of the dynamic algorithm as a pure function of tensors.
 
     Args:
-      scale: scalar float32 tensor, the current loss scale.
-      good_steps: scalar int64 tensor, consecutive finite steps so far.
+      state: the current `DynamicState`; H and C may be None (not tracked).
       is_finite: scalar bool tensor, whether this step's gradients are finite.
-      increment_period: Python int >= 1.
-      multiplier: Python float > 1.
+      rule: a `DynamicRule`.
 
     Returns:
-      `(new_scale, new_good_steps)`, computed without branches so the same
-      code runs eagerly, in graphs and under XLA.
+      `(new_state, backoff_at_floor)`: the next `DynamicState` (None where
+      `state` has None) and a bool tensor, True when a back-off was due while
+      S was already <= min_loss_scale. Computed without branches, so the
+      same code runs eagerly, in graphs and under XLA.
     """
-    multiplier = tf.constant(multiplier, tf.float32)
+    scale, good_steps = state.scale, state.good_steps
+    multiplier = tf.constant(rule.multiplier, tf.float32)
+    floor = tf.constant(rule.min_loss_scale, tf.float32)
+
     grown = scale * multiplier
-    period_reached = good_steps + 1 >= increment_period
-    scale_if_finite = tf.where(
-        tf.logical_and(period_reached, tf.math.is_finite(grown)), grown, scale)
-    scale_if_not_finite = tf.maximum(scale / multiplier, 1.0)
+    period_reached = good_steps + 1 >= rule.increment_period
+    grows = tf.logical_and(period_reached, tf.math.is_finite(grown))
+    if rule.max_loss_scale is not None:
+        grown = tf.minimum(grown, tf.constant(rule.max_loss_scale, tf.float32))
+    scale_if_finite = tf.where(grows, grown, scale)
+
+    if rule.backoff_factor is None:
+        shrunk = scale / multiplier  # TensorFlow's arithmetic, bit for bit.
+    else:
+        shrunk = scale * tf.constant(rule.backoff_factor, tf.float32)
+    backed_off = tf.maximum(shrunk, floor)
+
+    budget = state.hysteresis_remaining
+    if budget is None:
+        backoff_due = tf.logical_not(is_finite)
+        scale_if_not_finite = backed_off
+        new_budget = None
+    else:
+        budget_after_skip = tf.maximum(budget - 1, 0)
+        budget_used_up = tf.equal(budget_after_skip, 0)
+        backoff_due = tf.logical_and(tf.logical_not(is_finite), budget_used_up)
+        scale_if_not_finite = tf.where(budget_used_up, backed_off, scale)
+        full = tf.constant(rule.hysteresis, budget.dtype)
+        refilled = full if rule.consecutive_hysteresis else tf.where(
+            period_reached, full, budget)
+        new_budget = tf.where(is_finite, refilled, budget_after_skip)
+
     new_scale = tf.where(is_finite, scale_if_finite, scale_if_not_finite)
     new_good_steps = tf.where(
         tf.logical_and(is_finite, tf.logical_not(period_reached)),
         good_steps + 1, tf.zeros_like(good_steps))
-    return new_scale, new_good_steps
+    skips = state.consecutive_skips
+    new_skips = None if skips is None else tf.where(
+        is_finite, tf.zeros_like(skips), skips + 1)
+    at_floor = tf.logical_and(backoff_due, scale <= floor)
+    return DynamicState(new_scale, new_good_steps, new_budget,
+                        new_skips), at_floor
+
+
+def _check_rule_bounds(initial, floor, floor_is_explicit, ceiling):
+    """The cross-argument checks, on the float32 values the state will hold."""
+    as_f32 = np.float32
+    if floor_is_explicit and as_f32(floor) > as_f32(initial):
+        raise ValueError(
+            f"min_loss_scale must be <= initial_loss_scale, got "
+            f"min_loss_scale={floor!r} and initial_loss_scale={initial!r}")
+    if ceiling is None:
+        return
+    if as_f32(ceiling) < as_f32(initial):
+        raise ValueError(
+            f"max_loss_scale must be >= initial_loss_scale, got "
+            f"max_loss_scale={ceiling!r} and initial_loss_scale={initial!r}")
+    if as_f32(ceiling) < as_f32(floor):
+        which = "" if floor_is_explicit else " (its default)"
+        raise ValueError(
+            f"max_loss_scale must be >= min_loss_scale, got "
+            f"max_loss_scale={ceiling!r} and min_loss_scale={floor!r}{which}")
 
 
 class DynamicLossScale(LossScale):
     """A loss scale that grows while gradients stay finite and backs off.
 
-    See the module docstring for the exact algorithm. Create it under
+    See the module docstring for the exact rule. With the first three
+    arguments only, it is TensorFlow's rule, bit for bit. Create it under
     `strategy.scope()` to share it between replicas; `update` then works in
     cross-replica context and inside `strategy.run` of that strategy, and
     raises ValueError anywhere else. Created outside any scope, it holds
@@ -199,32 +361,97 @@ class DynamicLossScale(LossScale):
         maximum): a scale that is too high comes down in a few steps, one
         that is too low takes `increment_period` steps per doubling.
       increment_period: grow the scale after this many consecutive finite
-        steps; a positive int.
-      multiplier: the factor to grow by and to divide by on overflow; a finite
-        Python number > 1.
+        steps; a positive int (a whole float such as 2.0 is taken).
+      multiplier: the factor to grow by and, unless `backoff_factor` is
+        given, to divide by on a back-off; a finite Python number > 1.
+      backoff_factor: keyword-only; the factor a back-off multiplies the
+        scale by, in (0, 1). None (the default) divides by `multiplier`.
+      min_loss_scale: keyword-only; the floor no back-off goes below, a
+        finite number > 0 (below 1 is allowed, for models whose float16 loss
+        overflows even at scale 1). Default 1.0. An explicit floor above
+        `initial_loss_scale` is a ValueError; with the default floor an
+        initial scale below 1 backs off to 1, as in TensorFlow.
+      max_loss_scale: keyword-only; a ceiling growth is clamped to, >=
+        `initial_loss_scale` and >= `min_loss_scale`. None (the default):
+        growth only stops where the scale would overflow float32.
+      hysteresis: keyword-only; how many non-finite steps it takes to back
+        off, a positive int. Every non-finite step is skipped; the scale
+        only backs off once this budget is used up. 1 (the default) backs
+        off on every non-finite step, as TensorFlow does.
+      consecutive_hysteresis: keyword-only bool. False (the default): the
+        hysteresis budget is refilled only when the growth period completes.
+        True: every finite step refills it, so only that many non-finite
+        steps *in a row* back off.
+      on_min_loss_scale: keyword-only; what happens when a back-off is due
+        while the scale is already at `min_loss_scale`: "continue" (the
+        default: stay at the floor and skip the step), "warn" (the same,
+        plus one line starting "tf_lossscale WARNING:" on stderr each time,
+        also inside `tf.function` and `fit`) or "raise" (the step is skipped
+        and recorded, then fails with `tf.errors.InvalidArgumentError`
+        naming the floor, the scale and the count of steps skipped in a row).
+      max_consecutive_skips: keyword-only; None (the default) or a positive
+        int: when this many steps in a row were non-finite, the step fails
+        like "raise", naming the count and the scale.
 
     Raises:
-      TypeError: an argument is a bool or of the wrong type.
-      ValueError: an argument is out of range, NaN or infinite, or the current
-        strategy is one loss scaling cannot support.
+      TypeError: an argument is a bool where a number is expected, or of the
+        wrong type.
+      ValueError: an argument is out of range, NaN or infinite, the bounds
+        contradict each other, or the current strategy is one loss scaling
+        cannot support.
     """
 
     def __init__(self, initial_loss_scale=2**15, increment_period=2000,
-                 multiplier=2.0):
+                 multiplier=2.0, *, backoff_factor=None,
+                 min_loss_scale=_DEFAULT_MIN_LOSS_SCALE, max_loss_scale=None,
+                 hysteresis=1, consecutive_hysteresis=False,
+                 on_min_loss_scale="continue", max_consecutive_skips=None):
         initial = validation.finite_float32(
             "initial_loss_scale", initial_loss_scale, above=0)
         period = validation.positive_int("increment_period", increment_period)
         factor = validation.finite_float32("multiplier", multiplier, above=1)
+        if backoff_factor is not None:
+            backoff_factor = validation.finite_float32(
+                "backoff_factor", backoff_factor, above=0, below=1)
+        floor_is_explicit = min_loss_scale is not _DEFAULT_MIN_LOSS_SCALE
+        floor = validation.finite_float32(
+            "min_loss_scale", min_loss_scale, above=0)
+        if max_loss_scale is not None:
+            max_loss_scale = validation.finite_float32(
+                "max_loss_scale", max_loss_scale, above=0)
+        _check_rule_bounds(initial, floor, floor_is_explicit, max_loss_scale)
+        budget = validation.positive_int("hysteresis", hysteresis)
+        consecutive = validation.boolean(
+            "consecutive_hysteresis", consecutive_hysteresis)
+        policy = validation.one_of(
+            "on_min_loss_scale", on_min_loss_scale, POLICIES)
+        skip_limit = validation.optional_positive_int(
+            "max_consecutive_skips", max_consecutive_skips)
         distribution.check_supported()
         super().__init__()
         self._strategy = distribution.strategy_in_use()
         self._initial_loss_scale = initial
-        self._increment_period = period
-        self._multiplier = factor
+        self._rule = DynamicRule(
+            increment_period=period, multiplier=factor,
+            backoff_factor=backoff_factor, min_loss_scale=floor,
+            max_loss_scale=max_loss_scale, hysteresis=budget,
+            consecutive_hysteresis=consecutive)
+        self._on_min_loss_scale = policy
+        self._max_consecutive_skips = skip_limit
+        # Variable order is part of the saved format (.keras files store the
+        # loss scale's variables by index): new state goes last.
         self._current_loss_scale = self._add_state_variable(
             "current_loss_scale", initial, tf.float32)
         self._good_steps = self._add_state_variable(
             "good_steps", 0, tf.int64)
+        self._hysteresis_remaining = None
+        if budget > 1:
+            self._hysteresis_remaining = self._add_state_variable(
+                "hysteresis_remaining", budget, tf.int64)
+        self._consecutive_skips = None
+        if policy != "continue" or skip_limit is not None:
+            self._consecutive_skips = self._add_state_variable(
+                "consecutive_skips", 0, tf.int64)
 
     @property
     def initial_loss_scale(self):
@@ -232,16 +459,48 @@ class DynamicLossScale(LossScale):
 
     @property
     def increment_period(self):
-        return self._increment_period
+        return self._rule.increment_period
 
     @property
     def multiplier(self):
-        return self._multiplier
+        return self._rule.multiplier
+
+    @property
+    def backoff_factor(self):
+        return self._rule.backoff_factor
+
+    @property
+    def min_loss_scale(self):
+        return self._rule.min_loss_scale
+
+    @property
+    def max_loss_scale(self):
+        return self._rule.max_loss_scale
+
+    @property
+    def hysteresis(self):
+        return self._rule.hysteresis
+
+    @property
+    def consecutive_hysteresis(self):
+        return self._rule.consecutive_hysteresis
+
+    @property
+    def on_min_loss_scale(self):
+        return self._on_min_loss_scale
+
+    @property
+    def max_consecutive_skips(self):
+        return self._max_consecutive_skips
 
     @property
     def good_steps(self):
         """Consecutive finite steps since the scale last changed (int64)."""
         return tf.convert_to_tensor(self._good_steps)
+
+    @property
+    def _needs_finiteness(self):
+        return True
 
     def __call__(self):
         return tf.convert_to_tensor(self._current_loss_scale)
@@ -251,36 +510,178 @@ class DynamicLossScale(LossScale):
         distribution.check_same_strategy("This DynamicLossScale",
                                          self._strategy)
         return distribution.call_in_cross_replica_context(
-            self._update_cross_replica, grads)
+            _update_from_grads, self, grads)
 
-    def _update_cross_replica(self, grads):
-        is_finite = distribution.all_replicas_finite(grads)
-        return self._step(is_finite), is_finite
+    def _update_from_all_finite(self, all_finite):
+        """One step from the flag every replica agrees on.
 
-    def _step(self, is_finite):
-        # Each variable is read once and both assignments use those reads, so
-        # a TF1 graph cannot run one assignment before the other's read.
-        new_scale, new_good_steps = next_dynamic_state(
-            tf.convert_to_tensor(self._current_loss_scale),
-            tf.convert_to_tensor(self._good_steps),
-            is_finite, self._increment_period, self._multiplier)
-        return _graph_op(tf.group(
-            self._current_loss_scale.assign(new_scale, read_value=False),
-            self._good_steps.assign(new_good_steps, read_value=False)))
+        Called in cross-replica context (or without a strategy). Checks the
+        state, moves it on, then applies the failure policy. Returns
+        `(update_op, should_apply)` as `update` does; in graphs
+        `should_apply` runs only after the state check, the assignments and
+        the policy, so a branch on it cannot apply a step that failed.
+        """
+        all_finite = tf.convert_to_tensor(all_finite)
+        state = self._read_state()
+        state_check = self._check_state(state)
+        with tf.control_dependencies(_ops(state_check)):
+            new_state, at_floor = next_dynamic_state(
+                state, all_finite, self._rule)
+            assignments = self._assign_state(new_state)
+        with tf.control_dependencies(assignments):
+            failures = self._apply_failure_policy(new_state, at_floor)
+        if tf.executing_eagerly():
+            return None, all_finite
+        with tf.control_dependencies(
+                _ops(state_check) + assignments + failures):
+            should_apply = tf.identity(all_finite)
+        return tf.group(assignments + failures), should_apply
+
+    def _state_variables_in_order(self):
+        return (self._current_loss_scale, self._good_steps,
+                self._hysteresis_remaining, self._consecutive_skips)
+
+    def _read_state(self):
+        # Each variable is read once and every assignment uses those reads,
+        # so a TF1 graph cannot run one assignment before another's read.
+        return DynamicState(*(
+            None if variable is None else tf.convert_to_tensor(variable)
+            for variable in self._state_variables_in_order()))
+
+    def _assign_state(self, new_state):
+        assignments = [
+            variable.assign(value, read_value=False)
+            for variable, value in zip(self._state_variables_in_order(),
+                                       new_state)
+            if variable is not None
+        ]
+        return [] if tf.executing_eagerly() else assignments
+
+    def _check_state(self, state):
+        """Fails, changing nothing, unless S is finite and > 0 and G >= 0.
+
+        Eagerly it raises; in graphs it returns the assertion op. A few
+        scalar ops per step, and no formatting op, so XLA compiles it.
+        """
+        scale, good_steps = state.scale, state.good_steps
+        # On the bits: CPUs that flush subnormals to zero would call a valid
+        # subnormal scale "not > 0". Finite positive float32 values are
+        # exactly the bit patterns strictly between +0 and +inf.
+        bits = tf.bitcast(scale, tf.int32)
+        valid = tf.logical_and(
+            tf.logical_and(bits > 0, bits < _FLOAT32_INF_BITS),
+            good_steps >= 0)
+        problem = ("tf_lossscale: DynamicLossScale holds a state that cannot "
+                   "be right (restored from a checkpoint or assigned?): "
+                   "current_loss_scale must be finite and > 0 and good_steps "
+                   ">= 0; no variable was changed. Got")
+        if tf.executing_eagerly():
+            if not bool(valid):
+                raise _invalid_argument(
+                    f"{problem} current_loss_scale={float(scale)!r}, "
+                    f"good_steps={int(good_steps)}")
+            return None
+        return tf.debugging.Assert(
+            valid, [problem, "current_loss_scale =", scale,
+                    "good_steps =", good_steps])
+
+    def _apply_failure_policy(self, new_state, at_floor):
+        """The warning or failures due after this step; ops in graphs."""
+        scale, skips = new_state.scale, new_state.consecutive_skips
+        floor = self._rule.min_loss_scale
+        ops = []
+        if self._on_min_loss_scale == "warn":
+            ops += _ops(_warn_if(
+                at_floor,
+                f"{WARNING_PREFIX} a loss scale back-off was due but the "
+                f"scale is already at min_loss_scale={floor!r} (current "
+                "scale {}); steps skipped in a row for non-finite gradients: "
+                "{}", (scale, skips)))
+        elif self._on_min_loss_scale == "raise":
+            ops += _ops(_fail_if(
+                at_floor,
+                "tf_lossscale: a loss scale back-off was due but the scale "
+                f"is already at min_loss_scale={floor!r} (current scale {{}}); "
+                "steps skipped in a row for non-finite gradients: {} "
+                "(on_min_loss_scale=raise). The gradients overflow even at "
+                "the smallest scale allowed: look for NaN/Inf in the data or "
+                "the model, or lower min_loss_scale.", (scale, skips)))
+        limit = self._max_consecutive_skips
+        if limit is not None:
+            with tf.control_dependencies(ops):
+                ops += _ops(_fail_if(
+                    skips >= limit,
+                    "tf_lossscale: steps skipped in a row for non-finite "
+                    "gradients: {}, the limit set by max_consecutive_skips="
+                    f"{limit}; current loss scale {{}}.", (skips, scale)))
+        return ops
 
     def get_config(self):
-        return {
+        config = {
             "initial_loss_scale": self._initial_loss_scale,
-            "increment_period": self._increment_period,
-            "multiplier": self._multiplier,
+            "increment_period": self._rule.increment_period,
+            "multiplier": self._rule.multiplier,
         }
+        # Defaults stay out, so a default config is TensorFlow's.
+        optional = {
+            "backoff_factor": (self._rule.backoff_factor, None),
+            "min_loss_scale": (self._rule.min_loss_scale, 1.0),
+            "max_loss_scale": (self._rule.max_loss_scale, None),
+            "hysteresis": (self._rule.hysteresis, 1),
+            "consecutive_hysteresis": (self._rule.consecutive_hysteresis,
+                                       False),
+            "on_min_loss_scale": (self._on_min_loss_scale, "continue"),
+            "max_consecutive_skips": (self._max_consecutive_skips, None),
+        }
+        for name, (value, default) in optional.items():
+            if value != default:
+                config[name] = value
+        return config
 
     def __repr__(self):
-        config = (f"initial_loss_scale={self._initial_loss_scale!r}, "
-                  f"increment_period={self._increment_period!r}, "
-                  f"multiplier={self._multiplier!r}")
+        config = ", ".join(
+            f"{name}={value!r}" for name, value in self.get_config().items())
         if tf.executing_eagerly():
             state = (f"current_loss_scale={float(self())!r}, "
                      f"good_steps={int(self.good_steps)!r}, ")
             return f"DynamicLossScale({state}{config})"
         return f"DynamicLossScale({config})"
+
+
+def _ops(op):
+    """[op] for an op or tensor, [] for None (eagerly, nothing to wait on)."""
+    return [] if op is None else [op]
+
+
+def _fail_if(condition, template, values):
+    """Fails the step with `template` formatted with `values` if `condition`.
+
+    Eagerly it raises; in graphs it returns the assertion op.
+    """
+    if tf.executing_eagerly():
+        if bool(condition):
+            message = tf.strings.format(template, values)
+            raise _invalid_argument(message.numpy().decode())
+        return None
+    return tf.debugging.Assert(
+        tf.logical_not(condition), [tf.strings.format(template, values)])
+
+
+def _warn_if(condition, template, values):
+    """Prints `template` formatted with `values` to stderr if `condition`.
+
+    tf.print, not Python logging: it prints from inside graphs too, every
+    time the step runs, whatever TF_CPP_MIN_LOG_LEVEL says.
+    """
+
+    def warn():
+        with tf.control_dependencies([tf.print(
+                tf.strings.format(template, values),
+                output_stream=sys.stderr)]):
+            return tf.constant(True)
+
+    if tf.executing_eagerly():
+        if bool(condition):
+            warn()
+        return None
+    return tf.cond(condition, warn, lambda: tf.constant(False))

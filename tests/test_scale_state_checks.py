@@ -1,0 +1,196 @@
+"""A loss-scale state that cannot be right stops training instead of hiding.
+
+Without a check, a restored or assigned scale of NaN makes every later step
+skip forever, 0 silently resets to the floor and a negative scale trains with
+a negative multiplier. tf_lossscale refuses such a state at the first update:
+an InvalidArgumentError names the value, and no variable (the loss scale's,
+the weights, the optimizer's) changes.
+"""
+
+import os
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_models
+import tf_lossscale
+
+_NAN = float("nan")
+_INF = float("inf")
+
+_BAD_SCALES = {"nan": _NAN, "inf": _INF, "-inf": -_INF, "zero": 0.0,
+               "negative": -4.0}
+_RULES = {
+    "defaults": {},
+    "all_features": dict(initial_loss_scale=8, hysteresis=3,
+                         on_min_loss_scale="raise", max_consecutive_skips=4),
+}
+
+
+def _values(variables):
+    return [v.numpy() for v in variables]
+
+
+def _assert_unchanged(variables, before):
+    for variable, value in zip(variables, before):
+        np.testing.assert_array_equal(variable.numpy(), value)
+
+
+def _reported_scale(message):
+    """The value the message gives for current_loss_scale."""
+    match = re.search(
+        r"current_loss_scale[\s=\[\]]+(-?(?:nan|inf|\d[\d.e+-]*))", message)
+    assert match, message
+    return float(match.group(1))
+
+
+def _update(mode, loss_scale, grads):
+    if mode == "eager":
+        return loss_scale.update(grads)
+    return tf.function(lambda: loss_scale.update(grads)[1])()
+
+
+@pytest.mark.parametrize("rule", _RULES)
+@pytest.mark.parametrize("bad", _BAD_SCALES)
+@pytest.mark.parametrize("mode", ["eager", "tf_function"])
+def test_assigned_bad_scale_fails_the_next_update_naming_it(mode, bad, rule):
+    loss_scale = tf_lossscale.DynamicLossScale(**_RULES[rule])
+    loss_scale.update([tf.constant(1.0)])
+    loss_scale.variables[0].assign(_BAD_SCALES[bad])
+    before = _values(loss_scale.variables)
+    for finite in (True, False):
+        with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+            _update(mode, loss_scale, [tf.constant(1.0 if finite else _NAN)])
+        reported = _reported_scale(str(raised.value))
+        np.testing.assert_array_equal(reported, _BAD_SCALES[bad])
+        _assert_unchanged(loss_scale.variables, before)
+
+
+@pytest.mark.parametrize("mode", ["eager", "tf_function"])
+def test_negative_good_steps_fail_the_next_update_naming_them(mode):
+    loss_scale = tf_lossscale.DynamicLossScale(initial_loss_scale=8)
+    loss_scale.variables[1].assign(-3)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"good_steps\W+-3"):
+        _update(mode, loss_scale, [tf.constant(1.0)])
+    assert _values(loss_scale.variables) == [8.0, -3]
+
+
+def test_bad_state_fails_in_tf1_session_without_changing_variables():
+    with tf.Graph().as_default():
+        loss_scale = tf_lossscale.DynamicLossScale(initial_loss_scale=8,
+                                                   hysteresis=2)
+        grads = tf.compat.v1.placeholder(tf.float32, [])
+        update_op, should_apply = loss_scale.update([grads])
+        scale_variable = loss_scale.variables[0]
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            session.run(scale_variable.assign(_NAN))
+            before = session.run(list(loss_scale.variables))
+            for fetch in (update_op, should_apply):
+                with pytest.raises(tf.errors.InvalidArgumentError,
+                                   match="current_loss_scale"):
+                    session.run(fetch, {grads: 1.0})
+            after = session.run(list(loss_scale.variables))
+    np.testing.assert_array_equal(np.array(after, dtype=object)[1:],
+                                  np.array(before, dtype=object)[1:])
+    assert np.isnan(after[0])
+
+
+def test_valid_extremes_pass_the_check():
+    # A subnormal scale is valid (TensorFlow's reference accepts it), even
+    # where the CPU flushes subnormals to zero in comparisons.
+    for scale in (float(np.finfo(np.float32).tiny) / 4, 1e-30,
+                  float(np.finfo(np.float32).max)):
+        loss_scale = tf_lossscale.DynamicLossScale(initial_loss_scale=8)
+        loss_scale.variables[0].assign(scale)
+        _, should_apply = loss_scale.update([tf.constant(1.0)])
+        assert bool(should_apply)
+
+
+@pytest.mark.parametrize("mode", ["eager", "tf_function"])
+def test_checkpoint_with_nan_scale_fails_at_the_first_step_after_restore(
+        mode, tmp_path):
+    saved = tf_lossscale.DynamicLossScale(initial_loss_scale=8,
+                                          max_consecutive_skips=3)
+    saved.variables[0].assign(_NAN)
+    path = tf.train.Checkpoint(loss_scale=saved).write(
+        os.path.join(tmp_path, "ckpt"))
+
+    restored = tf_lossscale.DynamicLossScale(initial_loss_scale=8,
+                                             max_consecutive_skips=3)
+    tf.train.Checkpoint(loss_scale=restored).read(path).assert_consumed()
+    before = _values(restored.variables)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="nan"):
+        _update(mode, restored, [tf.constant(1.0)])
+    _assert_unchanged(restored.variables, before)
+
+
+# ---------------------------------------------------------------------------
+# Keras: the step fails before any weight or slot moves.
+
+
+def _compiled_model(run_eagerly=False):
+    model = keras_models.tiny_model()
+    optimizer = tf_lossscale.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.9),
+        loss_scale=tf_lossscale.DynamicLossScale(initial_loss_scale=8,
+                                                 hysteresis=2))
+    model.compile(optimizer, "mse", run_eagerly=run_eagerly)
+    return model, optimizer
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(8, 3)).astype(np.float32),
+            rng.normal(size=(8, 1)).astype(np.float32))
+
+
+def _fit(model):
+    model.fit(*_data(), batch_size=8, epochs=1, shuffle=False, verbose=0)
+
+
+def _all_state(model, optimizer):
+    return (model.weights + optimizer.inner_optimizer.variables
+            + list(optimizer.loss_scale.variables))
+
+
+@pytest.mark.usefixtures("keras_isolation")
+@pytest.mark.parametrize("bad", ["nan", "negative", "zero"])
+@pytest.mark.parametrize("run_eagerly", [False, True],
+                         ids=["tf_function", "eager"])
+def test_fit_with_an_assigned_bad_scale_fails_and_changes_nothing(
+        run_eagerly, bad):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model, optimizer = _compiled_model(run_eagerly)
+    _fit(model)
+    optimizer.loss_scale.variables[0].assign(_BAD_SCALES[bad])
+    state = _all_state(model, optimizer)
+    before = _values(state)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="current_loss_scale"):
+        _fit(model)
+    _assert_unchanged(state, before)
+    assert int(optimizer.iterations.numpy()) == 1
+
+
+@pytest.mark.usefixtures("keras_isolation")
+def test_keras_file_holding_a_nan_scale_fails_at_the_first_step(tmp_path):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model, optimizer = _compiled_model()
+    _fit(model)
+    optimizer.loss_scale.variables[0].assign(_NAN)
+    path = os.path.join(tmp_path, "model.keras")
+    model.save(path)
+
+    loaded = keras.models.load_model(path)
+    loaded_optimizer = loaded.optimizer
+    assert np.isnan(loaded_optimizer.loss_scale().numpy())
+    state = _all_state(loaded, loaded_optimizer)
+    before = _values(state)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="nan"):
+        _fit(loaded)
+    _assert_unchanged(state, before)
