@@ -51,9 +51,11 @@ def _check_optimizer(optimizer):
     kind = type(optimizer)
     hint = ""
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        hint = ("; under the mixed_float16 policy Keras wraps any other "
-                "optimizer in its own LossScaleOptimizer, so pass "
-                "optimizer=tf_lossscale.LossScaleOptimizer(...) to compile")
+        inner = type(optimizer.inner_optimizer).__name__
+        hint = (f" (wrapping {inner}); under the mixed_float16 policy Keras "
+                "wraps any other optimizer in its own LossScaleOptimizer, so "
+                "pass optimizer=tf_lossscale.LossScaleOptimizer(...) to "
+                "compile")
     raise TypeError(
         "LossScaleMonitor needs a model compiled with a "
         "tf_lossscale.LossScaleOptimizer, but model.optimizer is "
