@@ -120,8 +120,9 @@ def test_every_batch_end_logs_the_current_scale_and_count(fit_run):
     assert [batch for batch, _ in batch_logs] == list(
         range(spe - 1, _STEPS_PER_EPOCH, spe)) * _EPOCHS
     for _, logs in batch_logs:
-        assert type(logs["loss_scale"]) is float  # pylint: disable=unidiomatic-typecheck
-        assert type(logs["skipped_steps"]) is int  # pylint: disable=unidiomatic-typecheck
+        # Python numbers, not tensors or numpy scalars.
+        assert (type(logs["loss_scale"]), type(logs["skipped_steps"])) == (
+            float, int)
         assert _scale_matches_count(logs["loss_scale"], logs["skipped_steps"])
     counts = [logs["skipped_steps"] for _, logs in batch_logs]
     assert counts == sorted(counts)
@@ -240,7 +241,8 @@ def test_verbose_prints_a_burst_once_and_its_summary_then_a_lone_skip(capsys):
     x, y = _data(steps=48, nan_at_steps=[1, 2, 3, 4, 5, 40])
 
     model.fit(x, y, batch_size=_BATCH_SIZE, epochs=1, shuffle=False,
-              verbose=0, callbacks=[tf_lossscale.LossScaleMonitor(verbose=True)])
+              verbose=0,
+              callbacks=[tf_lossscale.LossScaleMonitor(verbose=True)])
 
     # NaN inputs make every gradient NaN.
     every_variable = ", ".join(v.path for v in model.trainable_variables)
@@ -262,7 +264,8 @@ def test_verbose_names_only_the_overflowing_float16_layer(capsys):
     x, y = _data(steps=1)
 
     model.fit(x, y, batch_size=_BATCH_SIZE, epochs=1, shuffle=False,
-              verbose=0, callbacks=[tf_lossscale.LossScaleMonitor(verbose=True)])
+              verbose=0,
+              callbacks=[tf_lossscale.LossScaleMonitor(verbose=True)])
 
     float16_layer, float32_layer = model.layers
     (line,) = _monitor_lines(capsys.readouterr().out)
@@ -278,7 +281,8 @@ def test_verbose_summarizes_a_burst_that_does_not_end(capsys, monkeypatch):
     x, y = _data(nan_at_steps=range(1, _STEPS_PER_EPOCH + 1))
 
     model.fit(x, y, batch_size=_BATCH_SIZE, epochs=1, shuffle=False,
-              verbose=0, callbacks=[tf_lossscale.LossScaleMonitor(verbose=True)])
+              verbose=0,
+              callbacks=[tf_lossscale.LossScaleMonitor(verbose=True)])
 
     lines = _monitor_lines(capsys.readouterr().out)
     # 8 skipped steps: one line for step 1, then a summary per 3 skips, and

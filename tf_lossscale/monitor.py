@@ -148,9 +148,10 @@ class LossScaleMonitor(keras.callbacks.Callback):
         if logs is not None:
             logs["loss_scale"] = scale
             logs["skipped_steps"] = skipped
-        # `batch` is the last step of the execution when steps_per_execution
-        # > 1; the steps in between are not seen one by one.
-        first_step, self._step = self._step + 1, self._epoch_first_step + batch + 1
+        # With steps_per_execution > 1, `batch` is the execution's last step
+        # and the steps before it in the execution are not seen one by one.
+        first_step = self._step + 1
+        self._step = self._epoch_first_step + batch + 1
         if self.verbose:
             self._report(skipped - self._skipped, first_step, scale)
         self._scale, self._skipped = scale, skipped
