@@ -1,4 +1,5 @@
-"""Installs tf_lossscale; `pip install -e ".[test]"` adds the test tools."""
+"""Installs tf_lossscale; `pip install -e ".[test]"` adds the test tools,
+`.[plot]` and `.[tensorboard]` what the demo's --plot and --logdir need."""
 
 import pathlib
 import re
@@ -29,7 +30,15 @@ setuptools.setup(
         "tensorflow>=2.16,<2.22",
         "absl-py",
     ],
-    extras_require={"test": ["pytest", "absl-py"]},
+    extras_require={
+        # `python -m tf_lossscale.demo --plot=...`.
+        "plot": ["matplotlib"],
+        # keras.callbacks.TensorBoard and the demo's --logdir; tensorflow
+        # (-cpu) does not install it. Same release range as tensorflow.
+        "tensorboard": ["tensorboard>=2.16,<2.22"],
+        # The suite also runs the demo's --plot and --logdir.
+        "test": ["pytest", "absl-py", "matplotlib", "tensorboard>=2.16,<2.22"],
+    },
     classifiers=[
         "Programming Language :: Python :: 3",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",

@@ -5,13 +5,17 @@ Public API:
 * `LossScale`, `FixedLossScale`, `DynamicLossScale`: loss scales with the
   contract of TensorFlow's `tf.compat.v1.mixed_precision.LossScale`;
 * `get`, `serialize`, `deserialize`: identifiers and configs to loss scales;
-* `LossScaleOptimizer`: the Keras optimizer wrapper that uses them.
+* `LossScaleOptimizer`: the Keras optimizer wrapper that uses them;
+* `LossScaleMonitor`: a Keras callback that puts the current loss scale and
+  the count of skipped steps into the logs of `fit` (progress bar, History,
+  CSVLogger, TensorBoard).
 """
 
 from tf_lossscale.keras_optimizer import LossScaleOptimizer
 from tf_lossscale.loss_scale import DynamicLossScale
 from tf_lossscale.loss_scale import FixedLossScale
 from tf_lossscale.loss_scale import LossScale
+from tf_lossscale.monitor import LossScaleMonitor
 from tf_lossscale.serialization import deserialize
 from tf_lossscale.serialization import get
 from tf_lossscale.serialization import serialize
@@ -22,6 +26,7 @@ __all__ = [
     "DynamicLossScale",
     "FixedLossScale",
     "LossScale",
+    "LossScaleMonitor",
     "LossScaleOptimizer",
     "deserialize",
     "get",
