@@ -63,6 +63,10 @@ class LossScale(tf.__internal__.tracking.Trackable, metaclass=abc.ABCMeta):
     `_add_state_variable`, which also names them for checkpoints.
     """
 
+    # Whether `_update_from_all_finite` needs the all-finite flag; a loss
+    # scale that never skips a step saves the optimizer from computing it.
+    _needs_finiteness = True
+
     def __init__(self):
         self._state_variables = {}
 
@@ -145,8 +149,14 @@ class FixedLossScale(LossScale):
     def __call__(self):
         return tf.constant(self._loss_scale_value, dtype=tf.float32)
 
+    _needs_finiteness = False
+
     def update(self, grads):
         del grads  # A fixed scale ignores them.
+        return _graph_op(tf.no_op()), True
+
+    def _update_from_all_finite(self, all_finite):
+        del all_finite  # A fixed scale ignores it.
         return _graph_op(tf.no_op()), True
 
     def get_config(self):
@@ -254,8 +264,13 @@ class DynamicLossScale(LossScale):
             self._update_cross_replica, grads)
 
     def _update_cross_replica(self, grads):
-        is_finite = distribution.all_replicas_finite(grads)
-        return self._step(is_finite), is_finite
+        return self._update_from_all_finite(
+            distribution.all_replicas_finite(grads))
+
+    def _update_from_all_finite(self, all_finite):
+        # Cross-replica context; `all_finite` is the flag every replica
+        # agrees on.
+        return self._step(all_finite), all_finite
 
     def _step(self, is_finite):
         # Each variable is read once and both assignments use those reads, so
