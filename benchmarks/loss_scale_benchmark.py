@@ -1,163 +1,391 @@
 """Side-by-side cost of loss scaling, printed as ratios measured in one run.
 
-Machines here are noisy, so absolute times mean little: every comparison runs
-its candidates in interleaved rounds within the same process and reports the
-median time per call of each and the ratio of medians.
+Machines here are noisy and shared, so absolute times mean little: every
+comparison runs its candidates in interleaved rounds within this one process,
+takes medians, and prints ratios, with each target and whether it holds.
 
-1. `update` alone: tf_lossscale.DynamicLossScale vs TensorFlow's reference
-   tf.compat.v1.mixed_precision.DynamicLossScale, on the same gradients, in
-   a tf.function.
-2. A whole mixed_float16 training step (forward, backward, Adam update) of a
-   small MLP: with tf_lossscale.LossScaleOptimizer, with Keras 3's own
-   keras.mixed_precision.LossScaleOptimizer, and with no loss scaling.
-3. State: the bytes of variables each wrapper adds beyond the inner
-   optimizer.
+1. Check + unscale + update on three gradient sets (a ResNet-50-like set of
+   161 tensors / 25.5M values, 1000 tensors of 1000, 4 tensors of 8M):
+   a bare unscale (one multiply per gradient), Keras 3's `check_finite` and
+   its divide, TF's reference (divide, then `update`), and tf_lossscale's TF2
+   protocol (`get_unscaled_gradients`, then `loss_scale.update`).
+2. The Keras-protocol apply path: scaled gradients into `apply` with an SGD
+   inner optimizer, against Keras 3's wrapper and a bare
+   `SGD.apply(g * 1/scale)`.
+3. `model.fit` step cost of a 6x512 MLP under mixed_float16 (batch 128), in
+   process CPU time (all threads) and wall time: no loss scaling, Keras 3's
+   wrapper, tf_lossscale, and tf_lossscale with its `LossScaleMonitor`
+   callback (when the package has it). Each round's runs are divided by that
+   round's unscaled run; the medians of those ratios are reported.
+4. The barrier: plain SGD made to wait until every gradient is known before
+   its first update, as any skip decision must. Its overhead is the part of
+   (3) no exact loss scaling can avoid.
 
-Run: python benchmarks/loss_scale_benchmark.py [--rounds=15 --calls=20]
+Run: python benchmarks/loss_scale_benchmark.py [--quick] [--rounds=N]
+     [--fit_steps=N] [--fit_rounds=N]
 """
 
 import os
 import statistics
-import timeit
+import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from absl import app  # pylint: disable=g-import-not-at-top
-from absl import flags
-import keras
+import keras  # pylint: disable=g-import-not-at-top
 import numpy as np
 import tensorflow as tf
 
 import tf_lossscale
 
-_ROUNDS = flags.DEFINE_integer("rounds", 15, "Interleaved timing rounds.")
-_CALLS = flags.DEFINE_integer("calls", 20, "Calls per candidate per round.")
+tf.get_logger().setLevel("ERROR")  # TF's reference is deprecated; it says so.
+
 _SEED = 0
+_SCALE = 2.0 ** 15
+
+# Targets of issue 11 (ratios).
+_TARGET_VS_REFERENCE = 0.85
+_TARGET_VS_BARE = 1.15
+_TARGET_APPLY_VS_KERAS = 0.95
+_TARGET_FIT_OVERHEAD_SHARE = 0.5
 
 
-def _median_seconds_per_call(candidates, rounds, calls):
-    """Times each candidate in interleaved rounds; returns name -> median."""
-    samples = {name: [] for name in candidates}
+def _resnet50_shapes(width=1):
+    """The trainable shapes of ResNet-50 (161 tensors, 25.5M values at
+    width 1): conv kernels, batch-norm scales and offsets, the classifier."""
+    shapes = [(7, 7, 3, 64 // width), (64 // width,), (64 // width,)]
+    channels = 64 // width
+    for blocks, mid, out in ((3, 64, 256), (4, 128, 512), (6, 256, 1024),
+                             (3, 512, 2048)):
+        mid, out = mid // width, out // width
+        for block in range(blocks):
+            shapes += [(1, 1, channels, mid), (mid,), (mid,),
+                       (3, 3, mid, mid), (mid,), (mid,),
+                       (1, 1, mid, out), (out,), (out,)]
+            if block == 0:
+                shapes += [(1, 1, channels, out), (out,), (out,)]
+            channels = out
+    return shapes + [(channels, 1000), (1000,)]
+
+
+def gradient_sets(quick):
+    if quick:
+        return {"ResNet-50-like /16, first 12": _resnet50_shapes(16)[:12],
+                "20 x 100": [(100,)] * 20,
+                "2 x 64K": [(65536,)] * 2}
+    return {"ResNet-50-like": _resnet50_shapes(),
+            "1000 x 1000": [(1000,)] * 1000,
+            "4 x 8M": [(8_000_000,)] * 4}
+
+
+def _constants(shapes):
+    rng = np.random.default_rng(_SEED)
+    # Scaled gradients: unit-size values times the scale.
+    return [tf.constant(rng.standard_normal(s).astype(np.float32) * _SCALE)
+            for s in shapes]
+
+
+def interleaved(candidates, rounds, calls):
+    """Times each candidate in interleaved rounds; returns name -> samples
+    of seconds per call."""
     for fn in candidates.values():
         fn()  # Trace and warm up outside the measurement.
+    samples = {name: [] for name in candidates}
     for _ in range(rounds):
         for name, fn in candidates.items():
-            samples[name].append(timeit.timeit(fn, number=calls) / calls)
-    return {name: statistics.median(times) for name, times in samples.items()}
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples[name].append((time.perf_counter() - start) / calls)
+    return samples
 
 
-def _report(title, medians, baseline):
-    print(f"\n{title}")
+def _medians(samples):
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+class Report:
+    """Collects target verdicts while printing."""
+
+    def __init__(self, out):
+        self.out = out
+        self.verdicts = []
+
+    def line(self, text=""):
+        print(text, file=self.out, flush=True)
+
+    def target(self, description, value, limit, higher_is_better=False):
+        holds = value >= limit if higher_is_better else value <= limit
+        self.verdicts.append((description, holds))
+        relation = ">=" if higher_is_better else "<="
+        self.line(f"    target {description}: {value:.3f} {relation} "
+                  f"{limit:.3f} -> {'HOLDS' if holds else 'MISSED'}")
+
+
+def _ratios(report, medians, baseline):
     for name, seconds in medians.items():
-        ratio = seconds / medians[baseline]
-        print(f"  {name:<34} {seconds * 1e6:10.1f} us/call   "
-              f"x{ratio:.3f} vs {baseline}")
+        report.line(f"  {name:<40} x{seconds / medians[baseline]:.3f}")
 
 
-def _gradients():
-    """A ResNet-ish mix of 60 gradients, about 6.5M float32 values."""
-    rng = np.random.default_rng(_SEED)
-    shapes = [(3, 3, 64, 64)] * 20 + [(64,)] * 20 + [(512, 512)] * 18 + [
-        (1000,), (512, 1000)]
-    return [tf.constant(rng.standard_normal(s), tf.float32) for s in shapes]
+# ---------------------------------------------------------------------------
+# 1. Check + unscale + update.
 
 
-def benchmark_update(rounds, calls):
-    grads = _gradients()
-    ours = tf_lossscale.DynamicLossScale()
-    reference = tf.compat.v1.mixed_precision.DynamicLossScale()
+def check_unscale_update(report, sets, rounds, calls):
+    report.line("\n1. Check + unscale + update (ratios to the bare unscale)")
+    for set_name, shapes in sets.items():
+        grads = _constants(shapes)
+        keras_wrapper = keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(), initial_scale=_SCALE)
+        keras_wrapper.build([tf.Variable(tf.zeros([1]))])
+        reference = tf.compat.v1.mixed_precision.DynamicLossScale(
+            _SCALE, increment_period=10 ** 9)
+        ours = tf_lossscale.LossScaleOptimizer(
+            keras.optimizers.SGD(), loss_scale=tf_lossscale.DynamicLossScale(
+                _SCALE, increment_period=10 ** 9))
+        scale = tf.Variable(_SCALE)
 
-    @tf.function
-    def ours_update():
-        return ours.update(grads)[1]
+        @tf.function
+        def bare():
+            inverse = 1.0 / scale
+            return [g * inverse for g in grads]
 
-    @tf.function
-    def reference_update():
-        return reference.update(grads)[1]
+        @tf.function
+        def keras_check_divide():
+            finite = keras_wrapper.check_finite(grads)
+            divisor = keras_wrapper.dynamic_scale
+            return [g / divisor for g in grads], finite
 
-    medians = _median_seconds_per_call(
-        {"tf_lossscale update": lambda: ours_update().numpy(),
-         "TF reference update": lambda: reference_update().numpy()},
-        rounds, calls)
-    _report("1. DynamicLossScale.update on 60 gradients (6.5M values)",
-            medians, "TF reference update")
+        @tf.function
+        def tf_reference():
+            divisor = reference()
+            unscaled = [g / divisor for g in grads]
+            return unscaled, reference.update(unscaled)[1]
+
+        @tf.function
+        def tf_lossscale_tf2():
+            unscaled = ours.get_unscaled_gradients(grads)
+            return unscaled, ours.loss_scale.update(unscaled)[1]
+
+        medians = _medians(interleaved({
+            "bare unscale": bare,
+            "Keras 3 check_finite + divide": keras_check_divide,
+            "TF reference (divide + update)": tf_reference,
+            "tf_lossscale (TF2 protocol)": tf_lossscale_tf2,
+        }, rounds, calls))
+        total = sum(int(np.prod(s)) for s in shapes)
+        report.line(f"\n  {set_name}: {len(shapes)} tensors, {total:,} values")
+        _ratios(report, medians, "bare unscale")
+        ours_time = medians["tf_lossscale (TF2 protocol)"]
+        faster = min(medians["Keras 3 check_finite + divide"],
+                     medians["TF reference (divide + update)"])
+        report.target(f"{set_name}: tf_lossscale / faster reference",
+                      ours_time / faster, _TARGET_VS_REFERENCE)
+        report.target(f"{set_name}: tf_lossscale / bare unscale",
+                      ours_time / medians["bare unscale"], _TARGET_VS_BARE)
 
 
-def _model():
+# ---------------------------------------------------------------------------
+# 2. The Keras-protocol apply path.
+
+
+def apply_path(report, sets, rounds, calls):
+    report.line("\n2. Keras-protocol apply with SGD (ratios to Keras 3's)")
+    for set_name, shapes in sets.items():
+        grads = _constants(shapes)
+
+        def variables():
+            return [tf.Variable(tf.zeros(s)) for s in shapes]
+
+        ours_vars, keras_vars, bare_vars = variables(), variables(), variables()
+        ours = tf_lossscale.LossScaleOptimizer(
+            keras.optimizers.SGD(1e-9), loss_scale=tf_lossscale.DynamicLossScale(
+                _SCALE, increment_period=10 ** 9))
+        keras_wrapper = keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(1e-9), initial_scale=_SCALE,
+            dynamic_growth_steps=10 ** 9)
+        bare_sgd = keras.optimizers.SGD(1e-9)
+        scale = tf.Variable(_SCALE)
+        ours.scale_loss(tf.constant(1.0))  # The Keras 3 protocol.
+
+        @tf.function
+        def ours_apply():
+            ours.apply(grads, ours_vars)
+
+        @tf.function
+        def keras_apply():
+            keras_wrapper.apply(grads, keras_vars)
+
+        @tf.function
+        def bare_apply():
+            inverse = 1.0 / scale
+            bare_sgd.apply([g * inverse for g in grads], bare_vars)
+
+        medians = _medians(interleaved({
+            "Keras 3 LossScaleOptimizer.apply": keras_apply,
+            "tf_lossscale LossScaleOptimizer.apply": ours_apply,
+            "bare SGD.apply(g * 1/scale)": bare_apply,
+        }, rounds, calls))
+        report.line(f"\n  {set_name}")
+        _ratios(report, medians, "Keras 3 LossScaleOptimizer.apply")
+        report.target(
+            f"{set_name}: apply path / Keras 3's",
+            medians["tf_lossscale LossScaleOptimizer.apply"]
+            / medians["Keras 3 LossScaleOptimizer.apply"],
+            _TARGET_APPLY_VS_KERAS)
+        del ours_vars, keras_vars, bare_vars
+
+
+# ---------------------------------------------------------------------------
+# 3 and 4. model.fit.
+
+
+class _BarrierSGD(keras.optimizers.SGD):
+    """SGD that waits for every gradient before its first update."""
+
+    def __init__(self, learning_rate):
+        super().__init__(learning_rate, name="barrier_sgd")
+
+    def apply(self, grads, trainable_variables=None):
+        grads = tf.identity_n(list(grads))
+        return super().apply(grads, trainable_variables)
+
+
+def _mlp(width):
     keras.utils.set_random_seed(_SEED)
-    return keras.Sequential([
-        keras.Input((256,)),
-        keras.layers.Dense(512, activation="relu"),
-        keras.layers.Dense(512, activation="relu"),
-        keras.layers.Dense(10, dtype="float32"),
-    ])
+    return keras.Sequential(
+        [keras.Input((width,))]
+        + [keras.layers.Dense(width, activation="relu") for _ in range(6)]
+        + [keras.layers.Dense(10, dtype="float32")])
 
 
-def _train_step(model, optimizer, scale_loss):
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+def _fit_candidates(width):
+    def plain(optimizer_class=keras.optimizers.SGD):
+        def make():
+            model = _mlp(width)
+            model.compile(optimizer=optimizer_class(0.01),
+                          loss="sparse_categorical_crossentropy",
+                          auto_scale_loss=False)
+            return model, []
+        return make
 
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-            scaled = scale_loss(loss)
-        grads = tape.gradient(scaled, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
+    def wrapped(wrapper, callbacks=()):
+        def make():
+            model = _mlp(width)
+            model.compile(optimizer=wrapper(keras.optimizers.SGD(0.01)),
+                          loss="sparse_categorical_crossentropy")
+            return model, [c() for c in callbacks]
+        return make
 
-    return step
-
-
-def benchmark_training_step(rounds, calls):
-    rng = np.random.default_rng(_SEED)
-    x = tf.constant(rng.standard_normal((128, 256)), tf.float32)
-    y = tf.constant(rng.integers(0, 10, 128))
-    steps = {}
-    wrappers = {
-        "tf_lossscale LossScaleOptimizer": tf_lossscale.LossScaleOptimizer,
-        "keras LossScaleOptimizer": keras.mixed_precision.LossScaleOptimizer,
+    candidates = {
+        "no loss scaling": plain(),
+        "barrier only (SGD waits for all grads)": plain(_BarrierSGD),
+        "Keras 3 LossScaleOptimizer": wrapped(
+            keras.optimizers.LossScaleOptimizer),
+        "tf_lossscale": wrapped(tf_lossscale.LossScaleOptimizer),
     }
-    for name, wrapper in wrappers.items():
-        optimizer = wrapper(keras.optimizers.Adam())
-        steps[name] = _train_step(_model(), optimizer, optimizer.scale_loss)
-    steps["no loss scaling"] = _train_step(
-        _model(), keras.optimizers.Adam(), lambda loss: loss)
-    medians = _median_seconds_per_call(
-        {name: (lambda s=step: s(x, y).numpy()) for name, step in steps.items()},
-        rounds, calls)
-    _report("2. mixed_float16 training step, MLP 256-512-512-10, batch 128",
-            medians, "no loss scaling")
+    if hasattr(tf_lossscale, "LossScaleMonitor"):
+        candidates["tf_lossscale + LossScaleMonitor"] = wrapped(
+            tf_lossscale.LossScaleOptimizer, [tf_lossscale.LossScaleMonitor])
+    return candidates
 
 
-def benchmark_state():
-    print("\n3. Variables a wrapper adds beyond its inner optimizer")
-    variables = [tf.Variable(tf.zeros([4, 4]))]
-    for name, wrapper in (
-            ("tf_lossscale", tf_lossscale.LossScaleOptimizer),
-            ("keras", keras.mixed_precision.LossScaleOptimizer)):
-        optimizer = wrapper(keras.optimizers.Adam())
-        optimizer.build(variables)
-        inner = {id(v) for v in optimizer.inner_optimizer.variables}
-        added = [v for v in optimizer.variables if id(v) not in inner]
-        # tf_lossscale keeps the scale's state in its LossScale object.
-        loss_scale = getattr(optimizer, "loss_scale", None)
-        added += list(getattr(loss_scale, "variables", ()))
-        nbytes = sum(np.asarray(v.numpy()).nbytes for v in added)
-        names = ", ".join(v.name for v in added)
-        print(f"  {name:<14} {len(added)} scalar variables, {nbytes} bytes "
-              f"({names})")
+def fit_overhead(report, rounds, steps, width=512, batch_size=128):
+    report.line(f"\n3. model.fit of a 6x{width} MLP, mixed_float16, batch "
+                f"{batch_size}, {steps} steps per run")
+    if not hasattr(tf_lossscale, "LossScaleMonitor"):
+        report.line("  (tf_lossscale.LossScaleMonitor is not available in "
+                    "this version: not measured)")
+    rng = np.random.default_rng(_SEED)
+    x = rng.standard_normal((steps * batch_size, width)).astype(np.float32)
+    y = rng.integers(0, 10, steps * batch_size)
+    runs = {name: make() for name, make in _fit_candidates(width).items()}
+
+    def fit(name):
+        model, callbacks = runs[name]
+        cpu, wall = time.process_time(), time.perf_counter()
+        model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0,
+                  shuffle=False, callbacks=callbacks)
+        return time.process_time() - cpu, time.perf_counter() - wall
+
+    for name in runs:
+        fit(name)  # Trace and warm up.
+    cpu_ratios = {name: [] for name in runs}
+    wall_ratios = {name: [] for name in runs}
+    for _ in range(rounds):
+        times = {name: fit(name) for name in runs}
+        base_cpu, base_wall = times["no loss scaling"]
+        for name, (cpu, wall) in times.items():
+            cpu_ratios[name].append(cpu / base_cpu)
+            wall_ratios[name].append(wall / base_wall)
+    cpu = _medians(cpu_ratios)
+    wall = _medians(wall_ratios)
+    report.line(f"  {'':<42} {'CPU time':>9} {'wall time':>10}"
+                "   (median per-round ratio to no loss scaling)")
+    for name in runs:
+        report.line(f"  {name:<42} x{cpu[name]:.3f}   x{wall[name]:.3f}")
+    ours = cpu["tf_lossscale"] - 1.0
+    theirs = cpu["Keras 3 LossScaleOptimizer"] - 1.0
+    report.line(f"  CPU overhead over no loss scaling: tf_lossscale {ours:+.3f},"
+                f" Keras 3 {theirs:+.3f}")
+    report.target("fit CPU overhead: tf_lossscale's (vs half of Keras 3's)",
+                  ours, _TARGET_FIT_OVERHEAD_SHARE * theirs)
+    if "tf_lossscale + LossScaleMonitor" in cpu:
+        report.line("    LossScaleMonitor adds "
+                    f"{cpu['tf_lossscale + LossScaleMonitor'] - cpu['tf_lossscale']:+.3f}"
+                    " of an unscaled step")
+
+    barrier = cpu["barrier only (SGD waits for all grads)"] - 1.0
+    report.line("\n4. The barrier: every gradient known before the first "
+                "update")
+    report.line(f"  barrier alone: {barrier:+.3f} of an unscaled step (CPU); "
+                f"tf_lossscale: {ours:+.3f}; Keras 3: {theirs:+.3f}")
+    report.line(f"  beyond the barrier: tf_lossscale {ours - barrier:+.3f}, "
+                f"Keras 3 {theirs - barrier:+.3f}")
+
+
+def run(quick=False, rounds=None, fit_steps=None, fit_rounds=None,
+        out=sys.stdout):
+    """Runs every measurement; returns [(target, holds)].
+
+    `quick` uses small gradient sets, a 6x16 MLP and one round: it checks
+    that the benchmark runs, its figures mean nothing.
+    """
+    report = Report(out)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    rounds = rounds or (1 if quick else 15)
+    calls = 1 if quick else 5
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    report.line(f"TensorFlow {tf.__version__}, Keras {keras.__version__}, "
+                f"{os.cpu_count()} CPUs, load average {load:.2f}; median of "
+                f"{rounds} interleaved rounds{' (quick)' if quick else ''}")
+    sets = gradient_sets(quick)
+    check_unscale_update(report, sets, rounds, calls)
+    apply_path(report, sets, rounds, calls)
+    # float16 matrix products are slow on CPUs without native float16: the
+    # full-size fit gets fewer steps and rounds than the other sections.
+    fit_overhead(report, fit_rounds or (1 if quick else 5),
+                 steps=fit_steps or (2 if quick else 3),
+                 width=16 if quick else 512, batch_size=16 if quick else 128)
+    held = sum(holds for _, holds in report.verdicts)
+    report.line(f"\nTargets holding: {held} of {len(report.verdicts)}")
+    for description, holds in report.verdicts:
+        report.line(f"  [{'x' if holds else ' '}] {description}")
+    return report.verdicts
 
 
 def main(argv):
-    del argv
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    print(f"TensorFlow {tf.__version__}, Keras {keras.__version__}, "
-          f"{os.cpu_count()} CPUs; median of {_ROUNDS.value} interleaved "
-          f"rounds x {_CALLS.value} calls")
-    benchmark_update(_ROUNDS.value, _CALLS.value)
-    benchmark_training_step(_ROUNDS.value, _CALLS.value)
-    benchmark_state()
+    options = {}
+    for arg in argv:
+        if arg == "--quick":
+            options["quick"] = True
+        elif arg.split("=")[0] in ("--rounds", "--fit_steps", "--fit_rounds"):
+            options[arg.split("=")[0][2:]] = int(arg.split("=", 1)[1])
+        else:
+            raise SystemExit(f"unknown argument {arg!r}; use --quick, "
+                             "--rounds=N, --fit_steps=N, --fit_rounds=N")
+    run(**options)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main(sys.argv[1:])

@@ -114,8 +114,41 @@ def call_for_each_replica(fn, *args):
     return strategy.extended.call_for_each_replica(fn, args=args)
 
 
-def _finite_as_float(grads):
-    return tf.cast(gradient_checks.all_finite(grads), tf.float32)
+def all_replicas_true(flag_fn, *args):
+    """Returns a scalar bool tensor: True iff `flag_fn(*args)` is True on
+    every replica of every worker.
+
+    Must be called in cross-replica context (or without a strategy). Each
+    replica evaluates `flag_fn` (which returns a scalar bool tensor) on its
+    own values of `args`; the flags are combined with one all-reduce of one
+    float32 scalar.
+    """
+    strategy = strategy_in_use()
+    if strategy is None:
+        return flag_fn(*args)
+    per_replica = strategy.extended.call_for_each_replica(
+        lambda *a: tf.cast(flag_fn(*a), tf.float32), args=args)
+    true_replicas = strategy.reduce(
+        tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+    return tf.equal(true_replicas,
+                    tf.constant(strategy.num_replicas_in_sync, tf.float32))
+
+
+def any_replica_true(flags_fn, *args):
+    """Returns a bool tensor: element i is True iff element i of
+    `flags_fn(*args)` (a bool vector of static length) is True on any replica
+    of any worker.
+
+    Must be called in cross-replica context (or without a strategy); costs
+    one all-reduce of a float32 vector of that length.
+    """
+    strategy = strategy_in_use()
+    if strategy is None:
+        return flags_fn(*args)
+    per_replica = strategy.extended.call_for_each_replica(
+        lambda *a: tf.cast(flags_fn(*a), tf.float32), args=args)
+    return strategy.reduce(
+        tf.distribute.ReduceOp.SUM, per_replica, axis=None) > 0
 
 
 def all_replicas_finite(grads):
@@ -124,12 +157,4 @@ def all_replicas_finite(grads):
     Must be called in cross-replica context (or without a strategy). `grads`
     may hold per-replica values, which each replica checks on its own device.
     """
-    strategy = strategy_in_use()
-    if strategy is None:
-        return gradient_checks.all_finite(grads)
-    per_replica = strategy.extended.call_for_each_replica(
-        _finite_as_float, args=(grads,))
-    finite_replicas = strategy.reduce(
-        tf.distribute.ReduceOp.SUM, per_replica, axis=None)
-    return tf.equal(finite_replicas,
-                    tf.constant(strategy.num_replicas_in_sync, tf.float32))
+    return all_replicas_true(gradient_checks.all_finite, grads)

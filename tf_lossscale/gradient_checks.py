@@ -1,10 +1,32 @@
 """The per-step finiteness check on gradients: the hot path of loss scaling.
 
 `all_finite(grads)` answers one question per training step: is every element
-of every gradient finite? It reduces each gradient to a single boolean on the
-gradient's own device and then those booleans to one, so no full-size tensor
-is copied or moved, and it never reads a value back to the host: the answer is
-a scalar bool tensor that graph code can branch on.
+of every gradient finite? The answer is exact, a scalar bool tensor computed
+on the gradients' own devices and never read back to the host, so graph code
+can branch on it.
+
+How it stays cheap (each gradient is read once, nothing gradient-sized is
+written):
+
+* Small gradients of the same dtype and static shape are stacked and checked
+  with `is_finite` and `reduce_all` as one tensor: a handful of ops instead
+  of two per gradient, on data that fits in cache.
+* A large gradient is reduced to one number whose finiteness it shares: a
+  weighted sum with tiny weights (2**-64 for float32/float64), computed as a
+  matrix-vector product, which reads the gradient once at memory speed. NaN
+  or +-Inf anywhere makes that number non-finite; finite gradients cannot
+  overflow it, since every product is at most 2**64 times smaller than the
+  largest finite value. Where no such product applies (unknown shapes,
+  float16/bfloat16, awkward sizes), a plain sum stands in; it can overflow for
+  finite gradients.
+* So a non-finite number only says "maybe". Then, and only then, a
+  `tf.cond` re-checks the large gradients exactly (`is_finite` and
+  `reduce_all`), so a finite gradient set is never reported as non-finite,
+  however large its values. The cond takes only the large gradients, which
+  keeps it small: its cost grows with the number of its inputs.
+
+`finite_flags(grads)` gives one exact flag per gradient, for reporting which
+ones overflowed; it is not on the per-step path.
 
 Accepted gradients: a tensor, or any nested structure (lists, tuples, dicts) of
 dense tensors, `tf.IndexedSlices` (only the values are checked) and `None`
@@ -12,7 +34,17 @@ dense tensors, `tf.IndexedSlices` (only the values are checked) and `None`
 as finite.
 """
 
+import collections
+
 import tensorflow as tf
+
+# Gradients up to this many elements are checked exactly, stacked by shape.
+_SMALL_ELEMENTS = 1 << 16
+# Row lengths tried for the matrix-vector product, longest first.
+_ROW_LENGTHS = range(4096, 63, -1)
+# Per-element weight of the product: small enough that no sum of finite
+# float32/float64 values can overflow, and still a normal number.
+_TINY_WEIGHT = 2.0 ** -64
 
 
 def flatten_gradients(grads):
@@ -35,18 +67,93 @@ def flatten_gradients(grads):
     return flat
 
 
-def _dense_values(grad):
+def dense_values(grad):
+    """The tensor whose elements are the gradient's values."""
     return grad.values if isinstance(grad, tf.IndexedSlices) else grad
 
 
-def all_finite(grads):
-    """Returns a scalar bool tensor: True iff no gradient holds NaN or +-Inf."""
-    flags = [
-        tf.reduce_all(tf.math.is_finite(_dense_values(grad)))
-        for grad in flatten_gradients(grads)
-    ]
+def is_finite(values):
+    """Exact: a scalar bool tensor, True iff no element is NaN or +-Inf."""
+    return tf.reduce_all(tf.math.is_finite(values))
+
+
+def _conjunction(flags):
     if not flags:
         return tf.constant(True)
     if len(flags) == 1:
         return flags[0]
     return tf.reduce_all(tf.stack(flags))
+
+
+def _row_length(values):
+    """A row length for the tiny-weight product, or None if there is none."""
+    if values.dtype not in (tf.float32, tf.float64):
+        # float16 cannot hold the tiny weight, bfloat16 products are not
+        # computed exactly enough; a sum with the exact fallback covers them.
+        return None
+    count = values.shape.num_elements()
+    if count is None:
+        return None
+    for length in _ROW_LENGTHS:
+        if count % length == 0:
+            return length
+    return None
+
+
+def _sentinel(values):
+    """A float32 scalar that is finite if `values` is finite, and is never
+    finite when `values` holds NaN or +-Inf."""
+    length = _row_length(values)
+    if length is None:
+        total = tf.reduce_sum(values)
+    else:
+        weights = tf.fill([length], tf.constant(_TINY_WEIGHT, values.dtype))
+        total = tf.reduce_sum(
+            tf.linalg.matvec(tf.reshape(values, [-1, length]), weights))
+    # A float64 total beyond float32 becomes inf here: a "maybe", which the
+    # exact fallback settles.
+    return tf.cast(total, tf.float32)
+
+
+def _is_small(values):
+    count = values.shape.num_elements()
+    return count is not None and count <= _SMALL_ELEMENTS
+
+
+def _small_flags(small):
+    groups = collections.defaultdict(list)
+    for values in small:
+        groups[(values.dtype, tuple(values.shape))].append(values)
+    return [is_finite(group[0] if len(group) == 1 else tf.stack(group))
+            for group in groups.values()]
+
+
+def _large_flag(large):
+    if not large:
+        return None
+    quick = tf.math.is_finite(tf.add_n([_sentinel(v) for v in large]))
+    return tf.cond(quick, lambda: tf.constant(True),
+                   lambda: _conjunction([is_finite(v) for v in large]))
+
+
+def all_finite(grads):
+    """Returns a scalar bool tensor: True iff no gradient holds NaN or +-Inf.
+
+    Exact for every input: see the module docstring for how it stays cheap.
+
+    Raises:
+      TypeError: a gradient is not a floating-point tensor.
+    """
+    values = [dense_values(grad) for grad in flatten_gradients(grads)]
+    flags = _small_flags([v for v in values if _is_small(v)])
+    large = _large_flag([v for v in values if not _is_small(v)])
+    if large is not None:
+        flags.append(large)
+    return _conjunction(flags)
+
+
+def finite_flags(grads):
+    """Exact per-gradient flags: a list of scalar bool tensors, one for each
+    entry of `tf.nest.flatten(grads)`; `None` entries count as finite."""
+    return [tf.constant(True) if grad is None else is_finite(dense_values(grad))
+            for grad in tf.nest.flatten(grads)]

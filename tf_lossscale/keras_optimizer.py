@@ -380,6 +380,27 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def build(self, var_list):
         self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
+        with keras.name_scope(self.name):
+            # One flag per trainable variable, written only on skipped steps.
+            self._last_nonfinite = keras.Variable(
+                tf.zeros([len(var_list)], tf.int32), name="last_nonfinite",
+                dtype="int32", trainable=False, aggregation="none")
+
+    def last_nonfinite_variables(self):
+        """Paths of the variables whose gradients held NaN or +-Inf on the
+        most recent skipped step, on any replica or worker.
+
+        A list of `variable.path` strings in the order of the variables the
+        optimizer was built with; `[]` before the first skipped step (or
+        before the optimizer is built). Steps that are applied leave it
+        unchanged, and computing it costs nothing on them: the flags are
+        worked out only when a step is skipped.
+        """
+        if not self.built:
+            return []
+        flags = self._last_nonfinite.numpy()
+        return [variable.path for variable, flag
+                in zip(self._trainable_variables, flags) if flag]
 
     # Scaling and unscaling.
 
@@ -456,17 +477,27 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             with keras.name_scope(self.name):
                 self.build(trainable_variables)
         if not self._caller_unscales:
-            scale = self._loss_scale()
-            grads = [_unscale(g, scale) for g in grads]
+            # Read before the update below can change the scale.
+            grads = self._unscale_for_apply(
+                grads, trainable_variables, self._loss_scale())
         distribution.call_in_cross_replica_context(
             self._apply_if_all_finite, grads, trainable_variables)
 
+    def _unscale_for_apply(self, grads, trainable_variables, scale):
+        # Variables that take their gradient as their new value (float8
+        # scales and amax histories) get it as computed, as Keras' own
+        # LossScaleOptimizer does; they are still checked for finiteness.
+        variables = trainable_variables or self._trainable_variables
+        return [grad if self._overwrite_variable_with_gradient(variable)
+                else _unscale(grad, scale)
+                for grad, variable in zip(grads, variables)]
+
     def _apply_if_all_finite(self, grads, trainable_variables):
-        # Cross-replica context: `grads` may be per-replica values. The loss
-        # scale reduces one finiteness flag over all replicas and workers, so
-        # the branch below, whose inner apply all-reduces the gradients, is
-        # taken identically everywhere.
-        _, should_apply = self._loss_scale.update(grads)
+        # Cross-replica context: `grads` (unscaled) may be per-replica values.
+        # One finiteness flag is reduced over all replicas and workers, so the
+        # branch below, whose inner apply all-reduces the gradients, is taken
+        # identically everywhere.
+        _, should_apply = self._update_loss_scale(grads)
 
         def apply_inner():
             distribution.call_for_each_replica(
@@ -474,6 +505,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
         def skip():
             self._skipped_steps.assign_add(1)
+            self._record_nonfinite(grads, trainable_variables)
 
         if isinstance(should_apply, bool):
             if should_apply:
@@ -482,6 +514,34 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 skip()
         else:
             tf.cond(should_apply, apply_inner, skip)
+
+    def _update_loss_scale(self, grads):
+        loss_scale = self._loss_scale
+        update_from_flag = getattr(loss_scale, "_update_from_all_finite", None)
+        if update_from_flag is None:
+            # A user-defined LossScale: the public contract.
+            return loss_scale.update(grads)
+        if not getattr(loss_scale, "_needs_finiteness", True):
+            return update_from_flag(tf.constant(True))
+        return update_from_flag(
+            distribution.all_replicas_true(self.check_finite, grads))
+
+    def _record_nonfinite(self, grads, trainable_variables):
+        # Only on skipped steps: exact per-gradient flags, combined over
+        # replicas, stored by the variable's index in the built list.
+        variables = trainable_variables or self._trainable_variables
+        positions = [self._get_variable_index(v) for v in variables]
+        size = self._last_nonfinite.shape[0]
+
+        def local_flags(local_grads):
+            finite = gradient_checks.finite_flags(list(local_grads))
+            by_position = dict(zip(positions, finite))
+            return tf.stack([
+                tf.logical_not(by_position[i]) if i in by_position
+                else tf.constant(False) for i in range(size)])
+
+        nonfinite = distribution.any_replica_true(local_flags, grads)
+        self._last_nonfinite.assign(tf.cast(nonfinite, tf.int32))
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise NotImplementedError(

@@ -507,8 +507,6 @@ class DynamicLossScale(LossScale):
 
     def update(self, grads):
         distribution.check_supported()
-        distribution.check_same_strategy("This DynamicLossScale",
-                                         self._strategy)
         return distribution.call_in_cross_replica_context(
             _update_from_grads, self, grads)
 
@@ -521,6 +519,10 @@ class DynamicLossScale(LossScale):
         `should_apply` runs only after the state check, the assignments and
         the policy, so a branch on it cannot apply a step that failed.
         """
+        # Here rather than in `update`: an optimizer computes the flag itself
+        # and calls this directly.
+        distribution.check_same_strategy("This DynamicLossScale",
+                                         self._strategy)
         all_finite = tf.convert_to_tensor(all_finite)
         state = self._read_state()
         state_check = self._check_state(state)

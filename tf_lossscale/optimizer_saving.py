@@ -10,8 +10,8 @@ versions wrote.
   `skipped_steps`), then every variable of the inner optimizer, in order;
 * ``"loss_scale.<i>"``: the loss scale's variables (`LossScale.variables`);
 * one named key per piece of wrapper state added since 0.1.0
-  (`LATER_STATE_KEYS`), absent from older files, which leave it at its
-  initial value.
+  (`LATER_STATE_KEYS`: which variables overflowed on the last skipped step),
+  absent from older files, which leave it at its initial value.
 
 That is exactly 0.1.0's layout plus named keys, so every file written since
 0.1.0 loads, whatever `optimizer.variables` lists.
@@ -19,8 +19,9 @@ That is exactly 0.1.0's layout plus named keys, so every file written since
 `tf.train.Checkpoint`: the wrapper's checkpoint dependencies are those of a
 plain Keras optimizer (`_iterations`, `_learning_rate` and its named slot lists
 such as `_momentums`) pointing at the inner optimizer's state, plus
-`inner_optimizer`, `loss_scale` (where tf-keras kept it) and the wrapper's
-own state. So:
+`inner_optimizer`, `loss_scale` (where tf-keras kept it) and `skipped_steps`.
+State added since 0.1.0 is not a checkpoint dependency, so every older
+checkpoint still passes `assert_consumed()`. So:
 
 * a checkpoint of a plain optimizer restores into a wrapper around the same
   optimizer class (iterations and slots carry over; the scale starts at its
@@ -188,8 +189,8 @@ def checkpoint_children(optimizer, own_children, save_type, **kwargs):
     # now belong to the inner optimizer's state.
     for name in ("inner_optimizer", "loss_scale"):
         children[name] = own_children[name]
-    for name in ("_skipped_steps", *LATER_STATE_KEYS):
-        if name in own_children:
-            children[name] = own_children[name]
+    # Later state (LATER_STATE_KEYS) is left out: a dependency that older
+    # checkpoints lack would fail their `assert_consumed()`.
+    children["_skipped_steps"] = own_children["_skipped_steps"]
     return children
 
