@@ -21,8 +21,10 @@ def test_quick_benchmark_reports_every_section_and_a_verdict_per_target():
     for heading in ("1. Check + unscale + update", "2. Keras-protocol apply",
                     "3. model.fit", "4. The barrier"):
         assert heading in text
-    # Two targets per gradient set in (1), one per set in (2), one for fit.
-    assert len(verdicts) == 3 * 2 + 3 + 1
+    # Two targets per gradient set in (1), one per set in (2), two in (3):
+    # the wrapper's fit overhead and the monitor's.
+    assert len(verdicts) == 3 * 2 + 3 + 2
     for description, _ in verdicts:
         assert f"target {description}:" in text
-    assert f"Targets holding: {sum(h for _, h in verdicts)} of 10" in text
+    assert f"Targets holding: {sum(h for _, h in verdicts)} of 11" in text
+    assert "LossScaleMonitor adds" in text

@@ -32,19 +32,12 @@ Attributes as Keras' and tf-keras' wrappers have them: `inner_optimizer`,
 `dynamic`, `initial_scale`, `dynamic_growth_steps`, `dynamic_scale`,
 `dynamic_counter`, `learning_rate` and `iterations` (the inner optimizer's).
 Per-step hyperparameters of the inner optimizer (`weight_decay`, `clipnorm`,
-`clipvalue`, `global_clipnorm`, `ema_momentum`, `ema_overwrite_frequency`) read
-and write through to it; `use_ema` and `gradient_accumulation_steps` create
-slots when the inner optimizer is built, so setting them on the wrapper
-raises, as does `loss_scale_factor`.
+...) read and write through to it; build-time ones set on the wrapper raise.
 
-Saving (`.keras` files, checkpoints, and what they can be restored from) is
-described in `tf_lossscale.optimizer_saving`.
+What the constructor accepts, and those hyperparameters, are in
+`tf_lossscale.optimizer_arguments`; saving (`.keras` files, checkpoints, and
+what they can be restored from) is in `tf_lossscale.optimizer_saving`.
 """
-
-import math
-import numbers
-import warnings
-import weakref
 
 import keras
 import tensorflow as tf
@@ -53,179 +46,9 @@ from tf_lossscale import distribution
 from tf_lossscale import gradient_checks
 from tf_lossscale import legacy_configs
 from tf_lossscale import loss_scale as loss_scale_lib
+from tf_lossscale import optimizer_arguments
 from tf_lossscale import optimizer_saving
 from tf_lossscale import serialization
-from tf_lossscale import validation
-
-# Keras 3 writes these base-optimizer arguments into some saved wrapper
-# configs. They are accepted at their defaults, as Keras does; anything else
-# belongs on the inner optimizer.
-_BASE_OPTIMIZER_DEFAULTS = {
-    "weight_decay": None,
-    "clipnorm": None,
-    "global_clipnorm": None,
-    "clipvalue": None,
-    "use_ema": False,
-    "ema_momentum": 0.99,
-    "ema_overwrite_frequency": None,
-    "loss_scale_factor": None,
-    "gradient_accumulation_steps": None,
-}
-
-# Inner-optimizer hyperparameters read on every step: on the wrapper they read
-# and write through to the inner optimizer.
-_CLIPPING = ("clipnorm", "clipvalue", "global_clipnorm")
-
-# Hyperparameters that cannot change on the wrapper: the first two decide
-# which slots the inner optimizer creates when it is built; a loss scale
-# factor would scale the loss a second time.
-_FIXED_AT_WRAPPING = ("use_ema", "gradient_accumulation_steps",
-                      "loss_scale_factor")
-
-# Inner optimizer -> the wrapper that owns it. Two wrappers sharing one inner
-# optimizer would each apply its update: the weights would move twice.
-_OWNERS = weakref.WeakKeyDictionary()
-
-
-def _check_base_optimizer_kwargs(kwargs):
-    for key, value in kwargs.items():
-        if key not in _BASE_OPTIMIZER_DEFAULTS:
-            raise TypeError(
-                f"LossScaleOptimizer got an unexpected argument {key}={value!r}")
-        if value != _BASE_OPTIMIZER_DEFAULTS[key]:
-            raise ValueError(
-                f"LossScaleOptimizer does not take {key}={value!r}; set "
-                f"{key} on the inner optimizer instead")
-
-
-def _check_forwarded_hyperparameter(inner, name, value):
-    """Checks `value` for the inner optimizer's hyperparameter `name`."""
-    if value is None and name != "ema_momentum":
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number or None, got {value!r}")
-    if name == "ema_overwrite_frequency":
-        validation.positive_int(name, value)
-    elif name == "ema_momentum":
-        if not 0 <= value <= 1:
-            raise ValueError(f"ema_momentum must be in [0, 1], got {value!r}")
-    elif not math.isfinite(value) or value < 0 or (
-            value == 0 and name != "weight_decay"):
-        bound = ">= 0" if name == "weight_decay" else "> 0"
-        raise ValueError(
-            f"{name} must be a finite number {bound}, got {value!r}")
-    if name in _CLIPPING:
-        others = {other: getattr(inner, other) for other in _CLIPPING
-                  if other != name and getattr(inner, other) is not None}
-        if others:
-            raise ValueError(
-                f"Cannot set {name}={value!r}: the inner optimizer already "
-                f"clips with {others}; only one of clipnorm, clipvalue and "
-                "global_clipnorm can be set")
-
-
-def _forwarded_property(name):
-    """A wrapper attribute that reads and writes the inner optimizer's.
-
-    Keras' base constructor assigns every hyperparameter before the inner
-    optimizer is attached; those defaults are kept apart and never used.
-    """
-
-    def getter(self):
-        if "inner_optimizer" not in self.__dict__:
-            return self.__dict__.get(f"_wrapper_{name}")
-        return getattr(self.inner_optimizer, name)
-
-    def setter(self, value):
-        if "inner_optimizer" not in self.__dict__:
-            self.__dict__[f"_wrapper_{name}"] = value
-            return
-        _check_forwarded_hyperparameter(self.inner_optimizer, name, value)
-        setattr(self.inner_optimizer, name, value)
-
-    return property(getter, setter, doc=(
-        f"The inner optimizer's `{name}` (read and written through)."))
-
-
-def _resolve_loss_scale(loss_scale, dynamic, initial_scale,
-                        dynamic_growth_steps):
-    """Returns the `LossScale` for the constructor's arguments.
-
-    Keras-style arguments are checked under the names the caller used, so an
-    error says `initial_scale=-1`, not the loss scale's own argument name.
-    """
-    if dynamic is None and initial_scale is None and (
-            dynamic_growth_steps is None):
-        resolved = serialization.get(loss_scale)
-        if resolved is None:
-            raise ValueError(
-                "loss_scale must not be None: a LossScaleOptimizer needs a "
-                "loss scale (a number, 'dynamic', a LossScale or a dict)")
-        return resolved
-    if not (isinstance(loss_scale, str) and loss_scale == "dynamic"):
-        raise ValueError(
-            f"loss_scale={loss_scale!r} conflicts with dynamic={dynamic!r}, "
-            f"initial_scale={initial_scale!r}, dynamic_growth_steps="
-            f"{dynamic_growth_steps!r}: give either loss_scale or the "
-            "Keras-style arguments, not both")
-    if dynamic is not None and not isinstance(dynamic, bool):
-        raise TypeError(f"dynamic must be a bool, got {dynamic!r}")
-    if dynamic is False:
-        if initial_scale is None or dynamic_growth_steps is not None:
-            raise ValueError(
-                "dynamic=False needs initial_scale (the fixed scale) and no "
-                f"dynamic_growth_steps, got initial_scale={initial_scale!r}, "
-                f"dynamic_growth_steps={dynamic_growth_steps!r}")
-        validation.finite_float32("initial_scale", initial_scale, at_least=1)
-        return loss_scale_lib.FixedLossScale(initial_scale)
-    if initial_scale is not None:
-        validation.finite_float32("initial_scale", initial_scale, above=0)
-    if dynamic_growth_steps is not None:
-        validation.positive_int("dynamic_growth_steps", dynamic_growth_steps)
-    given = {"initial_loss_scale": initial_scale,
-             "increment_period": dynamic_growth_steps}
-    # Keras' dynamic scale always grows and shrinks by 2.
-    return loss_scale_lib.DynamicLossScale(
-        multiplier=2.0,
-        **{name: value for name, value in given.items() if value is not None})
-
-
-def _check_inner_optimizer(inner_optimizer):
-    if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
-        raise ValueError(
-            f"inner_optimizer {inner_optimizer!r} is already a "
-            "LossScaleOptimizer; wrapping it again would scale the loss twice")
-    if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
-        raise TypeError(
-            "inner_optimizer must be a keras.optimizers.Optimizer instance, "
-            f"got {inner_optimizer!r} of type {type(inner_optimizer).__name__}")
-    owner = _OWNERS.get(inner_optimizer)
-    if owner is not None and owner() is not None:
-        raise ValueError(
-            f"inner_optimizer {inner_optimizer.name!r} is already wrapped by "
-            "another LossScaleOptimizer; give each wrapper its own optimizer")
-    if inner_optimizer.loss_scale_factor is not None:
-        raise ValueError(
-            f"inner_optimizer has loss_scale_factor="
-            f"{inner_optimizer.loss_scale_factor!r}; the LossScaleOptimizer "
-            "scales the loss itself, so leave it unset")
-
-
-def _warn_if_scaling_bfloat16(loss_scale):
-    policy = keras.mixed_precision.global_policy()
-    if policy.compute_dtype != "bfloat16":
-        return
-    if isinstance(loss_scale, loss_scale_lib.FixedLossScale) and (
-            loss_scale.loss_scale_value == 1):
-        return
-    warnings.warn(
-        f"LossScaleOptimizer built under the {policy.name!r} dtype policy "
-        f"with {loss_scale!r}: bfloat16 has float32's range, so its "
-        "gradients do not underflow and scaling them only costs time. To "
-        "keep skipping steps with NaN/Inf gradients without scaling, use "
-        "loss_scale=tf_lossscale.FixedLossScale(1, skip_non_finite=True).",
-        UserWarning, stacklevel=3)
-
 
 def _compute_dtype(dtype):
     # Unscaling float16/bfloat16 in their own type would overflow for scales
@@ -249,7 +72,8 @@ def _unscale(grad, scale):
 
 
 @keras.saving.register_keras_serializable(package="tf_lossscale")
-class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
+                         keras.optimizers.LossScaleOptimizer):
     """Wraps a Keras optimizer with loss scaling by a `tf_lossscale.LossScale`.
 
     Args:
@@ -281,16 +105,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def __init__(self, inner_optimizer, loss_scale="dynamic", name=None, *,
                  initial_scale=None, dynamic_growth_steps=None, dynamic=None,
                  **kwargs):
-        _check_inner_optimizer(inner_optimizer)
-        _check_base_optimizer_kwargs(kwargs)
-        resolved = _resolve_loss_scale(loss_scale, dynamic, initial_scale,
-                                       dynamic_growth_steps)
+        optimizer_arguments.check_inner_optimizer(inner_optimizer)
+        optimizer_arguments.check_base_optimizer_kwargs(kwargs)
+        resolved = optimizer_arguments.resolve_loss_scale(
+            loss_scale, dynamic, initial_scale, dynamic_growth_steps)
         # Keras' own LossScaleOptimizer.__init__ creates its scale variables;
         # ours come from the LossScale, so that constructor is skipped.
         keras.optimizers.Optimizer.__init__(  # pylint: disable=non-parent-init-called
             self, learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
-        _OWNERS[inner_optimizer] = weakref.ref(self)
+        optimizer_arguments.claim(inner_optimizer, self)
         # Checkpoints hold the loss scale under `loss_scale`, where tf-keras
         # put it, not under the attribute's name that automatic tracking of
         # `self._loss_scale = ...` would use.
@@ -304,26 +128,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self._skipped_steps = keras.Variable(
                 0, name="skipped_steps", dtype="int64", trainable=False,
                 aggregation="none")
-        _warn_if_scaling_bfloat16(resolved)
+        optimizer_arguments.warn_if_scaling_bfloat16(resolved)
 
-    # Keras-compatible attributes.
-
-    weight_decay = _forwarded_property("weight_decay")
-    clipnorm = _forwarded_property("clipnorm")
-    clipvalue = _forwarded_property("clipvalue")
-    global_clipnorm = _forwarded_property("global_clipnorm")
-    ema_momentum = _forwarded_property("ema_momentum")
-    ema_overwrite_frequency = _forwarded_property("ema_overwrite_frequency")
-
-    def __setattr__(self, name, value):
-        if name in _FIXED_AT_WRAPPING and "inner_optimizer" in self.__dict__:
-            reason = (" (the wrapper scales the loss itself)"
-                      if name == "loss_scale_factor" else "")
-            raise ValueError(
-                f"Cannot set {name}={value!r} on a LossScaleOptimizer{reason}: "
-                "set it on the inner optimizer before wrapping it, e.g. "
-                f"LossScaleOptimizer(keras.optimizers.Adam({name}=...))")
-        super().__setattr__(name, value)
+    # Keras-compatible attributes (the inner optimizer's hyperparameters come
+    # from InnerHyperparameters).
 
     @property
     def loss_scale(self):
