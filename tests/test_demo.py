@@ -65,7 +65,7 @@ def _is_calibration_then_more(skipped_at):
 
 
 def test_readme_command_overflows_organically_without_the_extras():
-    result = _run_demo("--num_devices=2")
+    result = _run_demo("--num_devices=2", "--log_skips")
 
     assert result.returncode == 0, result.stderr
     summary = _summary(result.stdout)
@@ -87,6 +87,10 @@ def test_readme_command_overflows_organically_without_the_extras():
                                  result.stdout.index("applied steps:")]
     assert f"skipped_steps: {skipped}.0000" in progress_bar
     assert f"loss_scale: {float(summary['scale']):.4f}" in progress_bar
+    # --log_skips: the first skip names the variables that overflowed.
+    first_skip = re.search(r"LossScaleMonitor: skipped step 1; .*"
+                           r"non-finite gradients: (.*)", result.stdout)
+    assert first_skip and "kernel" in first_skip[1], result.stdout
 
 
 @pytest.mark.parametrize("flag, expected", [
