@@ -18,19 +18,15 @@ import tensorflow as tf
 
 import strategies
 import tf_lossscale
+from fixtures import make_fixtures
 from keras_models import tiny_model
 from tf_lossscale import LossScaleOptimizer
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
 
 
-def _batch(seed=0, finite=True):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((8, 3)).astype(np.float32)
-    y = rng.standard_normal((8, 1)).astype(np.float32)
-    if not finite:
-        x[0, 0] = np.nan
-    return x, y
+def _batch(step=0, finite=True):
+    return make_fixtures.batch(step, finite)
 
 
 def _values(variables):
