@@ -8,8 +8,13 @@ time, but it replaces all of that class's behaviour:
 * under `tf.distribute`, the skip decision is taken from *every* replica's
   gradients on *every* worker with one scalar all-reduce, before any branch
   holding a collective, so all replicas apply or all skip together;
-* a skipped step leaves weights, optimizer slots and `iterations` untouched
-  and adds one to `skipped_steps`;
+* a skipped step leaves weights, optimizer slots and `iterations` untouched,
+  adds one to `skipped_steps` and records which variables' gradients were not
+  finite (`last_nonfinite_variables()`; nothing of that runs on applied
+  steps);
+* variables that take their gradient as their new value (float8 scales and
+  amax histories, `overwrite_with_gradient`) get it as computed, not
+  unscaled, as with Keras' own wrapper;
 * the TF 2.x methods `get_scaled_loss` and `get_unscaled_gradients` work.
 
 Two protocols for a training step are supported:
@@ -49,6 +54,7 @@ from tf_lossscale import loss_scale as loss_scale_lib
 from tf_lossscale import optimizer_arguments
 from tf_lossscale import optimizer_saving
 from tf_lossscale import serialization
+
 
 def _compute_dtype(dtype):
     # Unscaling float16/bfloat16 in their own type would overflow for scales
