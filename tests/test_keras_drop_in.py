@@ -17,7 +17,6 @@ import pytest
 import tensorflow as tf
 
 import strategies
-import tf_lossscale
 from fixtures import make_fixtures
 from keras_models import tiny_model
 from tf_lossscale import LossScaleOptimizer
