@@ -19,8 +19,6 @@
   bfloat16 has float32's range and needs no scaling.
 """
 
-import math
-import numbers
 import warnings
 import weakref
 
@@ -75,18 +73,15 @@ def _check_forwarded_hyperparameter(inner, name, value):
     """Checks `value` for the inner optimizer's hyperparameter `name`."""
     if value is None and name != "ema_momentum":
         return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number or None, got {value!r}")
     if name == "ema_overwrite_frequency":
         validation.positive_int(name, value)
     elif name == "ema_momentum":
-        if not 0 <= value <= 1:
+        if validation.finite_float32(name, value, at_least=0) > 1:
             raise ValueError(f"ema_momentum must be in [0, 1], got {value!r}")
-    elif not math.isfinite(value) or value < 0 or (
-            value == 0 and name != "weight_decay"):
-        bound = ">= 0" if name == "weight_decay" else "> 0"
-        raise ValueError(
-            f"{name} must be a finite number {bound}, got {value!r}")
+    elif name == "weight_decay":
+        validation.finite_float32(name, value, at_least=0)
+    else:
+        validation.finite_float32(name, value, above=0)
     if name in _CLIPPING:
         others = {other: getattr(inner, other) for other in _CLIPPING
                   if other != name and getattr(inner, other) is not None}
