@@ -114,6 +114,14 @@ def call_for_each_replica(fn, *args):
     return strategy.extended.call_for_each_replica(fn, args=args)
 
 
+def _replica_sum(strategy, flags_fn, args):
+    """Each replica's `flags_fn(*args)`, as float32, summed over all replicas
+    and workers with one all-reduce."""
+    per_replica = strategy.extended.call_for_each_replica(
+        lambda *a: tf.cast(flags_fn(*a), tf.float32), args=args)
+    return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+
 def all_replicas_true(flag_fn, *args):
     """Returns a scalar bool tensor: True iff `flag_fn(*args)` is True on
     every replica of every worker.
@@ -126,11 +134,7 @@ def all_replicas_true(flag_fn, *args):
     strategy = strategy_in_use()
     if strategy is None:
         return flag_fn(*args)
-    per_replica = strategy.extended.call_for_each_replica(
-        lambda *a: tf.cast(flag_fn(*a), tf.float32), args=args)
-    true_replicas = strategy.reduce(
-        tf.distribute.ReduceOp.SUM, per_replica, axis=None)
-    return tf.equal(true_replicas,
+    return tf.equal(_replica_sum(strategy, flag_fn, args),
                     tf.constant(strategy.num_replicas_in_sync, tf.float32))
 
 
@@ -145,10 +149,7 @@ def any_replica_true(flags_fn, *args):
     strategy = strategy_in_use()
     if strategy is None:
         return flags_fn(*args)
-    per_replica = strategy.extended.call_for_each_replica(
-        lambda *a: tf.cast(flags_fn(*a), tf.float32), args=args)
-    return strategy.reduce(
-        tf.distribute.ReduceOp.SUM, per_replica, axis=None) > 0
+    return _replica_sum(strategy, flags_fn, args) > 0
 
 
 def all_replicas_finite(grads):
