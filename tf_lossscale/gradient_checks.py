@@ -8,6 +8,10 @@ can branch on it.
 How it stays cheap (each gradient is read once, nothing gradient-sized is
 written):
 
+* Gradients that are, together, every output of one split or unstack (as
+  `tf_lossscale.unscaling` makes them) are checked through that op's input:
+  the same values, already in one tensor. Graphs only: eager tensors do not
+  record the op that made them.
 * Small gradients of the same dtype and static shape are stacked and checked
   with `is_finite` and `reduce_all` as one tensor: a handful of ops instead
   of two per gradient, on data that fits in cache.
@@ -115,6 +119,35 @@ def _sentinel(values):
     return tf.cast(total, tf.float32)
 
 
+def _split_source(values):
+    """(split or unstack op, output index) that `values` is, up to reshapes
+    and identities; None for anything else, and for eager tensors."""
+    if not tf.is_symbolic_tensor(values):
+        return None
+    while values.op.type in ("Reshape", "Identity"):
+        values = values.op.inputs[0]
+    if values.op.type not in ("SplitV", "Unpack"):
+        return None
+    return values.op, values.value_index
+
+
+def _merge_split_outputs(values):
+    """`values` with every complete set of one split's outputs replaced by
+    the split's input, which holds exactly their elements."""
+    sources = [_split_source(value) for value in values]
+    seen = {}  # split op -> output indices present; ordered, for stable graphs
+    for source in sources:
+        if source is not None:
+            seen.setdefault(source[0], set()).add(source[1])
+    complete = [op for op, indices in seen.items()
+                if len(indices) == len(op.outputs)]
+    if not complete:
+        return values
+    kept = [value for value, source in zip(values, sources)
+            if source is None or source[0] not in complete]
+    return kept + [op.inputs[0] for op in complete]
+
+
 def _is_small(values):
     count = values.shape.num_elements()
     return count is not None and count <= _SMALL_ELEMENTS
@@ -144,7 +177,8 @@ def all_finite(grads):
     Raises:
       TypeError: a gradient is not a floating-point tensor.
     """
-    values = [dense_values(grad) for grad in flatten_gradients(grads)]
+    values = _merge_split_outputs(
+        [dense_values(grad) for grad in flatten_gradients(grads)])
     flags = _small_flags([v for v in values if _is_small(v)])
     large = _large_flag([v for v in values if not _is_small(v)])
     if large is not None:

@@ -40,8 +40,10 @@ Per-step hyperparameters of the inner optimizer (`weight_decay`, `clipnorm`,
 ...) read and write through to it; build-time ones set on the wrapper raise.
 
 What the constructor accepts, and those hyperparameters, are in
-`tf_lossscale.optimizer_arguments`; saving (`.keras` files, checkpoints, and
-what they can be restored from) is in `tf_lossscale.optimizer_saving`.
+`tf_lossscale.optimizer_arguments`; unscaling (packed for tiny gradients,
+bit-identical to a divide) is in `tf_lossscale.unscaling`; saving (`.keras`
+files, checkpoints, and what they can be restored from) is in
+`tf_lossscale.optimizer_saving`.
 """
 
 import keras
@@ -54,27 +56,7 @@ from tf_lossscale import loss_scale as loss_scale_lib
 from tf_lossscale import optimizer_arguments
 from tf_lossscale import optimizer_saving
 from tf_lossscale import serialization
-
-
-def _compute_dtype(dtype):
-    # Unscaling float16/bfloat16 in their own type would overflow for scales
-    # above their range; float32 holds every scale, float64 keeps precision.
-    return tf.float64 if dtype == tf.float64 else tf.float32
-
-
-def _divide(values, scale):
-    wide = _compute_dtype(values.dtype)
-    quotient = tf.cast(values, wide) / tf.cast(scale, wide)
-    return tf.cast(quotient, values.dtype)
-
-
-def _unscale(grad, scale):
-    if grad is None:
-        return None
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(_divide(grad.values, scale), grad.indices,
-                                grad.dense_shape)
-    return _divide(tf.convert_to_tensor(grad), scale)
+from tf_lossscale import unscaling
 
 
 @keras.saving.register_keras_serializable(package="tf_lossscale")
@@ -249,8 +231,7 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
         """
         self._caller_unscales = True
         self._awaiting_unscale = False
-        scale = self._loss_scale()
-        return tf.nest.map_structure(lambda g: _unscale(g, scale), grads)
+        return unscaling.unscale_structure(grads, self._loss_scale())
 
     # Applying.
 
@@ -302,9 +283,10 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
         # scales and amax histories) get it as computed, as Keras' own
         # LossScaleOptimizer does; they are still checked for finiteness.
         variables = trainable_variables or self._trainable_variables
-        return [grad if self._overwrite_variable_with_gradient(variable)
-                else _unscale(grad, scale)
-                for grad, variable in zip(grads, variables)]
+        return unscaling.unscale(
+            grads, scale,
+            keep=[self._overwrite_variable_with_gradient(variable)
+                  for variable in variables])
 
     def _apply_if_all_finite(self, grads, trainable_variables):
         # Cross-replica context: `grads` (unscaled) may be per-replica values.
