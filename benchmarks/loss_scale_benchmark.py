@@ -24,7 +24,10 @@ takes medians, and prints ratios, with each target and whether it holds.
    same in both.
 4. The barrier: plain SGD made to wait until every gradient is known before
    its first update, as any skip decision must. Its overhead is the part of
-   (3) no exact loss scaling can avoid.
+   (3) no exact loss scaling can avoid. Then tf_lossscale with parts taken
+   away, to show where the rest goes: the unscale alone, then the unscale
+   with the scale's update and the skip branch (the check replaced by a flag
+   that costs nothing).
 
 Run: python benchmarks/loss_scale_benchmark.py [--quick] [--rounds=N]
      [--fit_steps=N] [--fit_rounds=N]
@@ -43,6 +46,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_lossscale
+from tf_lossscale import distribution
 
 tf.get_logger().setLevel("ERROR")  # TF's reference is deprecated; it says so.
 
@@ -258,6 +262,22 @@ class _BarrierSGD(keras.optimizers.SGD):
         return super().apply(grads, trainable_variables)
 
 
+class UnscaleOnlyAblation(tf_lossscale.LossScaleOptimizer):
+    """Ablation: the unscale, then straight to the inner optimizer."""
+
+    def _apply_if_all_finite(self, grads, trainable_variables):
+        distribution.call_for_each_replica(
+            self.inner_optimizer.apply, grads, trainable_variables)
+
+
+class NoCheckAblation(tf_lossscale.LossScaleOptimizer):
+    """Ablation: everything but the finiteness check."""
+
+    def check_finite(self, grads):
+        # Read from the scale, so that the branch cannot be folded away.
+        return tf.math.is_finite(self.loss_scale())
+
+
 def _mlp(width):
     keras.utils.set_random_seed(_SEED)
     return keras.Sequential(
@@ -292,6 +312,8 @@ def _fit_candidates(width):
         "tf_lossscale": wrapped(tf_lossscale.LossScaleOptimizer),
         "tf_lossscale + LossScaleMonitor": wrapped(
             tf_lossscale.LossScaleOptimizer, [tf_lossscale.LossScaleMonitor]),
+        "tf_lossscale, unscale only": wrapped(UnscaleOnlyAblation),
+        "tf_lossscale without the check": wrapped(NoCheckAblation),
     }
 
 
@@ -355,6 +377,11 @@ def fit_overhead(report, rounds, steps, width=512, batch_size=128):
                 f"tf_lossscale: {ours:+.3f}; Keras 3: {theirs:+.3f}")
     report.line(f"  beyond the barrier: tf_lossscale {ours - barrier:+.3f}, "
                 f"Keras 3 {theirs - barrier:+.3f}")
+    unscale = cpu["tf_lossscale, unscale only"] - 1.0
+    no_check = cpu["tf_lossscale without the check"] - 1.0
+    report.line(f"  tf_lossscale by parts: the unscale {unscale:+.3f}; the "
+                f"update and the skip branch {no_check - unscale:+.3f}; the "
+                f"check {ours - no_check:+.3f}")
 
 
 def run(quick=False, rounds=None, fit_steps=None, fit_rounds=None,

@@ -28,3 +28,4 @@ def test_quick_benchmark_reports_every_section_and_a_verdict_per_target():
         assert f"target {description}:" in text
     assert f"Targets holding: {sum(h for _, h in verdicts)} of 11" in text
     assert "LossScaleMonitor adds" in text
+    assert "tf_lossscale by parts: the unscale" in text
