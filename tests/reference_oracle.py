@@ -41,6 +41,14 @@ def reference_fixed(loss_scale_value):
     return tf.compat.v1.mixed_precision.FixedLossScale(loss_scale_value)
 
 
+def reference_unscale(grad, scale):
+    """0.1.0's unscaling, the formula applied weights are pinned to: divide in
+    float32 (float64 for float64 gradients), cast back to the gradient's
+    dtype."""
+    wide = tf.float64 if grad.dtype == tf.float64 else tf.float32
+    return tf.cast(tf.cast(grad, wide) / tf.cast(scale, wide), grad.dtype)
+
+
 def float32_bits(values):
     """The raw float32 bit patterns, so -0.0, NaN payloads and ulps count."""
     return np.asarray(values, dtype=np.float32).view(np.uint32)

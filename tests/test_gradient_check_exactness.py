@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import reference_oracle as oracle
 import tf_lossscale
 from tf_lossscale import gradient_checks
 
@@ -144,11 +145,6 @@ def test_random_gradient_sets_agree_with_the_definition():
 # The optimizer: unscaled values and the fallback for user loss scales.
 
 
-def _reference_unscale(grad, scale):
-    wide = tf.float64 if grad.dtype == tf.float64 else tf.float32
-    return tf.cast(tf.cast(grad, wide) / tf.cast(scale, wide), grad.dtype)
-
-
 @pytest.mark.parametrize("scale", [2.0 ** 15, 1000.0, 3.0, 1.0],
                          ids=["power_of_two", "thousand", "three", "one"])
 @pytest.mark.parametrize("dtype", _FLOAT_DTYPES, ids=lambda d: d.name)
@@ -160,7 +156,7 @@ def test_get_unscaled_gradients_is_bit_identical_to_divide(scale, dtype):
     unscaled, = optimizer.get_unscaled_gradients([grad])
     np.testing.assert_array_equal(
         tf.cast(unscaled, tf.float64).numpy(),
-        tf.cast(_reference_unscale(grad, scale), tf.float64).numpy())
+        tf.cast(oracle.reference_unscale(grad, scale), tf.float64).numpy())
 
 
 @pytest.mark.parametrize("loss_scale", [
@@ -184,7 +180,7 @@ def test_applied_steps_are_bit_identical_to_sgd_on_divided_gradients(
         scale = optimizer.loss_scale()
         optimizer.scale_loss(tf.constant(1.0))  # The Keras protocol.
         optimizer.apply([scaled], [ours_weights])
-        reference.apply([_reference_unscale(scaled, scale)],
+        reference.apply([oracle.reference_unscale(scaled, scale)],
                         [reference_weights])
 
     for _ in range(5):
