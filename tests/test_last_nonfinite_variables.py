@@ -151,3 +151,17 @@ def test_mirrored_combines_every_replica(bad_by_replica):
     assert optimizer.last_nonfinite_variables() == [
         variables[i].path for i in expected]
     assert int(optimizer.skipped_steps) == 1
+
+
+@pytest.mark.parametrize("built_by", ["build", "first_apply"])
+def test_overflow_record_lives_in_the_optimizers_own_name_scope(built_by):
+    # The record's path is the same whichever call builds the optimizer; the
+    # first apply used to open the optimizer's scope twice.
+    optimizer = _optimizer()
+    variables = [tf.Variable(tf.ones([2]), name="w")]
+    if built_by == "build":
+        optimizer.build(variables)
+    else:
+        optimizer.apply(_gradients(variables), variables)
+    record = optimizer._last_nonfinite  # pylint: disable=protected-access
+    assert record.path == f"{optimizer.name}/last_nonfinite"

@@ -39,9 +39,12 @@ Attributes as Keras' and tf-keras' wrappers have them: `inner_optimizer`,
 Per-step hyperparameters of the inner optimizer (`weight_decay`, `clipnorm`,
 ...) read and write through to it; build-time ones set on the wrapper raise.
 
-What the constructor accepts, and those hyperparameters, are in
-`tf_lossscale.optimizer_arguments`; unscaling (packed for tiny gradients,
-bit-identical to a divide) is in `tf_lossscale.unscaling`; saving (`.keras`
+The step itself (agreement across replicas, the scale's update, apply or
+skip, the overflow record) is `tf_lossscale.loss_scaled_step`, shared with the
+other wrappers; this class adapts it to Keras 3. What the constructor accepts,
+and those hyperparameters, are in `tf_lossscale.optimizer_arguments`;
+unscaling (packed for tiny gradients, bit-identical to a divide) is in
+`tf_lossscale.unscaling`; saving (`.keras`
 files, checkpoints, and what they can be restored from) is in
 `tf_lossscale.optimizer_saving`.
 """
@@ -51,6 +54,7 @@ import tensorflow as tf
 
 from tf_lossscale import distribution
 from tf_lossscale import gradient_checks
+from tf_lossscale import loss_scaled_step
 from tf_lossscale import legacy_configs
 from tf_lossscale import loss_scale as loss_scale_lib
 from tf_lossscale import optimizer_arguments
@@ -269,75 +273,24 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
                 raise ValueError(
                     "The first apply needs trainable_variables, or call "
                     "optimizer.build(variables) first")
-            with keras.name_scope(self.name):
-                self.build(trainable_variables)
+            # build opens the optimizer's name scope itself.
+            self.build(trainable_variables)
+        variables = trainable_variables or self._trainable_variables
         if not self._caller_unscales:
             # Read before the update below can change the scale.
-            grads = self._unscale_for_apply(
-                grads, trainable_variables, self._loss_scale())
-        distribution.call_in_cross_replica_context(
-            self._apply_if_all_finite, grads, trainable_variables)
+            grads = loss_scaled_step.unscale_for_apply(
+                grads, variables, self._loss_scale())
+        loss_scaled_step.apply_or_skip(
+            self._loss_scale, grads, trainable_variables,
+            self.inner_optimizer.apply, self._skip_record)
 
-    def _unscale_for_apply(self, grads, trainable_variables, scale):
-        # Variables that take their gradient as their new value (float8
-        # scales and amax histories) get it as computed, as Keras' own
-        # LossScaleOptimizer does; they are still checked for finiteness.
-        variables = trainable_variables or self._trainable_variables
-        return unscaling.unscale(
-            grads, scale,
-            keep=[self._overwrite_variable_with_gradient(variable)
-                  for variable in variables])
-
-    def _apply_if_all_finite(self, grads, trainable_variables):
-        # Cross-replica context: `grads` (unscaled) may be per-replica values.
-        # One finiteness flag is reduced over all replicas and workers, so the
-        # branch below, whose inner apply all-reduces the gradients, is taken
-        # identically everywhere.
-        _, should_apply = self._update_loss_scale(grads)
-
-        def apply_inner():
-            distribution.call_for_each_replica(
-                self.inner_optimizer.apply, grads, trainable_variables)
-
-        def skip():
-            self._skipped_steps.assign_add(1)
-            self._record_nonfinite(grads, trainable_variables)
-
-        if isinstance(should_apply, bool):
-            if should_apply:
-                apply_inner()
-            else:
-                skip()
-        else:
-            tf.cond(should_apply, apply_inner, skip)
-
-    def _update_loss_scale(self, grads):
-        loss_scale = self._loss_scale
-        update_from_flag = getattr(loss_scale, "_update_from_all_finite", None)
-        if update_from_flag is None:
-            # A user-defined LossScale: the public contract.
-            return loss_scale.update(grads)
-        if not getattr(loss_scale, "_needs_finiteness", True):
-            return update_from_flag(tf.constant(True))
-        return update_from_flag(
-            distribution.all_replicas_true(self.check_finite, grads))
-
-    def _record_nonfinite(self, grads, trainable_variables):
-        # Only on skipped steps: exact per-gradient flags, combined over
-        # replicas, stored by the variable's index in the built list.
-        variables = trainable_variables or self._trainable_variables
-        positions = [self._get_variable_index(v) for v in variables]
-        size = self._last_nonfinite.shape[0]
-
-        def local_flags(local_grads):
-            finite = gradient_checks.finite_flags(list(local_grads))
-            by_position = dict(zip(positions, finite))
-            return tf.stack([
-                tf.logical_not(by_position[i]) if i in by_position
-                else tf.constant(False) for i in range(size)])
-
-        nonfinite = distribution.any_replica_true(local_flags, grads)
-        self._last_nonfinite.assign(tf.cast(nonfinite, tf.int32))
+    @property
+    def _skip_record(self):
+        return loss_scaled_step.SkipRecord(
+            self._skipped_steps, self._last_nonfinite,
+            lambda variables: [
+                self._get_variable_index(v)
+                for v in variables or self._trainable_variables])
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise NotImplementedError(

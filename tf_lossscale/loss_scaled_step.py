@@ -1,0 +1,161 @@
+"""One loss-scaled optimizer step, the same for every optimizer wrapper.
+
+The Keras 3 wrapper, the tf-keras wrapper and the TF1 optimizer wrapper are
+adapters: each knows its framework (base class, attributes, saving) and hands
+one step's gradients to `apply_or_skip`, which does the rest the same way for
+all of them:
+
+1. one finiteness flag, agreed by every replica on every worker with one
+   scalar all-reduce (`tf_lossscale.distribution`), before any branch that
+   holds a collective, so all replicas apply or all skip together;
+2. the loss scale's update from that flag (a user-defined `LossScale` gets
+   its public `update(grads)` instead);
+3. apply: the adapter's inner apply runs in every replica; or skip: a
+   `SkipRecord` counts the step and records which variables' gradients were
+   not finite (worked out only on skipped steps, so applied steps pay
+   nothing for it).
+
+`unscale_for_apply` is step 0 for adapters whose caller hands over scaled
+gradients. Variables that take their gradient as their new value (Keras'
+float8 scales and amax histories, `overwrite_with_gradient`) get it as
+computed, as Keras' own wrapper does; they are still checked.
+"""
+
+import tensorflow as tf
+
+from tf_lossscale import distribution
+from tf_lossscale import gradient_checks
+from tf_lossscale import unscaling
+
+
+def takes_gradient_as_value(variable):
+    """Whether `variable` is overwritten by its gradient (Keras float8)."""
+    return bool(getattr(variable, "overwrite_with_gradient", False))
+
+
+def unscale_for_apply(grads, variables, scale):
+    """`grads / scale`, except for variables that take their gradient as
+    their value; `None` and `tf.IndexedSlices` entries keep their form."""
+    return unscaling.unscale(
+        grads, scale, keep=[takes_gradient_as_value(v) for v in variables])
+
+
+class SkipRecord:
+    """What a skipped step writes: one more skipped step, and a flag per
+    variable (1 where its gradient held NaN or +-Inf on any replica).
+
+    Args:
+      skipped_steps: a scalar int64 variable.
+      nonfinite_flags: an int32 vector variable, one flag per position, or
+        None to record only the count.
+      positions: maps the step's variables to their positions in
+        `nonfinite_flags` (a callable taking the list of variables).
+    """
+
+    def __init__(self, skipped_steps, nonfinite_flags=None, positions=None):
+        self.skipped_steps = skipped_steps
+        self.nonfinite_flags = nonfinite_flags
+        self.positions = positions
+
+    def write(self, grads, variables):
+        """Cross-replica context: records one skipped step."""
+        # Keras variables' assign methods take no `read_value`.
+        ops = [self.skipped_steps.assign_add(1)]
+        if self.nonfinite_flags is not None:
+            flags = _any_replica_nonfinite(
+                grads, self.positions(variables),
+                self.nonfinite_flags.shape[0])
+            ops.append(self.nonfinite_flags.assign(tf.cast(flags, tf.int32)))
+        return ops
+
+
+def _any_replica_nonfinite(grads, positions, size):
+    """A bool vector of length `size`: True at `positions[i]` when gradient
+    i is not finite on any replica; False elsewhere."""
+
+    def local_flags(local_grads):
+        finite = gradient_checks.finite_flags(list(local_grads))
+        by_position = dict(zip(positions, finite))
+        return tf.stack([
+            tf.logical_not(by_position[i]) if i in by_position
+            else tf.constant(False) for i in range(size)])
+
+    return distribution.any_replica_true(local_flags, grads)
+
+
+def update_loss_scale(loss_scale, grads):
+    """Cross-replica context: updates `loss_scale` from `grads` (unscaled,
+    possibly per-replica) and returns `(update_op, should_apply)`.
+
+    The built-in loss scales are driven by the all-replica flag directly,
+    with `should_apply` ordered after their state check, update and policy;
+    a fixed scale that never skips computes no check at all.
+    """
+    update_from_flag = getattr(loss_scale, "_update_from_all_finite", None)
+    if update_from_flag is None:
+        return loss_scale.update(grads)  # A user-defined LossScale.
+    if not getattr(loss_scale, "_needs_finiteness", True):
+        return update_from_flag(tf.constant(True))
+    return update_from_flag(distribution.all_replicas_finite(grads))
+
+
+def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record):
+    """One step: update the scale, then apply in every replica or skip.
+
+    May be called in a replica context (inside `strategy.run`, `fit`'s train
+    step) or in cross-replica context; all replicas take the same branch.
+
+    Args:
+      loss_scale: the `tf_lossscale.LossScale`.
+      grads: the step's *unscaled* gradients, a list (per-replica values in
+        cross-replica context).
+      variables: the list of variables `grads` belong to.
+      apply_fn: `apply_fn(grads, variables)` applies the gradients; it is
+        called once in every replica with that replica's values, and may
+        return an op or tensor to wait on.
+      skip_record: the `SkipRecord` written on skipped steps.
+
+    Returns:
+      None eagerly; in graphs an op that runs the whole step (TF1 callers
+      run it; in `tf.function` the step runs anyway).
+    """
+    # Only the data crosses `merge_call`: anything passed through it comes
+    # back regrouped per replica, callables included.
+    def cross_replica_step(grads, variables):
+        return _apply_or_skip_cross_replica(
+            loss_scale, grads, variables, apply_fn, skip_record)
+
+    return distribution.call_in_cross_replica_context(
+        cross_replica_step, grads, variables)
+
+
+def _apply_or_skip_cross_replica(loss_scale, grads, variables, apply_fn,
+                                 skip_record):
+    update_op, should_apply = update_loss_scale(loss_scale, grads)
+
+    def apply_in_every_replica():
+        results = distribution.call_for_each_replica(apply_fn, grads,
+                                                     variables)
+        return _done(tf.nest.flatten(results))
+
+    def skip():
+        return _done(skip_record.write(grads, variables))
+
+    if isinstance(should_apply, bool):
+        step = apply_in_every_replica() if should_apply else skip()
+    else:
+        step = tf.cond(should_apply, apply_in_every_replica, skip)
+    if tf.executing_eagerly():
+        return None
+    return tf.group([op for op in (update_op, step) if op is not None])
+
+
+def _done(ops):
+    """A bool tensor that is ready once `ops` have run (graphs), so both
+    branches of a `tf.cond` return the same structure; None eagerly."""
+    if tf.executing_eagerly():
+        return None
+    waits = [op for op in ops
+             if isinstance(op, (tf.Operation, tf.Tensor, tf.Variable))]
+    with tf.control_dependencies(waits):
+        return tf.constant(True)
