@@ -79,18 +79,32 @@ def test_negative_good_steps_fail_the_next_update_naming_them(mode):
     assert _values(loss_scale.variables) == [8.0, -3]
 
 
-def test_bad_state_fails_in_tf1_session_without_changing_variables():
+def _tf1_fetches_that_update(loss_scale, grads, caller):
+    """What a Session runs to take a step, per caller of the loss scale."""
+    if caller == "update":
+        # Its should_apply comes from the gradients alone in a TF1 graph
+        # (test_tf1_should_apply_from_gradients.py): update_op takes the step.
+        update_op, should_apply = loss_scale.update([grads])
+        return update_op, [update_op, should_apply]
+    # What LossScaleOptimizer calls: its should_apply is gated on the step.
+    update_op, should_apply = loss_scale._update_from_all_finite(  # pylint: disable=protected-access
+        tf.math.is_finite(grads))
+    return update_op, should_apply
+
+
+@pytest.mark.parametrize("caller", ["update", "optimizer"])
+def test_bad_state_fails_in_tf1_session_without_changing_variables(caller):
     with tf.Graph().as_default():
         loss_scale = tf_lossscale.DynamicLossScale(initial_loss_scale=8,
                                                    hysteresis=2)
         grads = tf.compat.v1.placeholder(tf.float32, [])
-        update_op, should_apply = loss_scale.update([grads])
+        fetches = _tf1_fetches_that_update(loss_scale, grads, caller)
         scale_variable = loss_scale.variables[0]
         with tf.compat.v1.Session() as session:
             session.run(tf.compat.v1.global_variables_initializer())
             session.run(scale_variable.assign(_NAN))
             before = session.run(list(loss_scale.variables))
-            for fetch in (update_op, should_apply):
+            for fetch in fetches:
                 with pytest.raises(tf.errors.InvalidArgumentError,
                                    match="current_loss_scale"):
                     session.run(fetch, {grads: 1.0})
@@ -98,6 +112,26 @@ def test_bad_state_fails_in_tf1_session_without_changing_variables():
     np.testing.assert_array_equal(np.array(after, dtype=object)[1:],
                                   np.array(before, dtype=object)[1:])
     assert np.isnan(after[0])
+
+
+def test_branch_on_update_in_tf_function_waits_for_the_state_check():
+    # A negative scale leaves finite gradients finite, so should_apply is
+    # True; inside a tf.function it is gated on the check, so neither branch
+    # of a tf.cond on it runs before the step fails.
+    loss_scale = tf_lossscale.DynamicLossScale(initial_loss_scale=8)
+    loss_scale.variables[0].assign(-4.0)
+    applied = tf.Variable(0)
+    skipped = tf.Variable(0)
+
+    @tf.function
+    def step(grad):
+        _, should_apply = loss_scale.update([grad])
+        tf.cond(should_apply, lambda: applied.assign_add(1),
+                lambda: skipped.assign_add(1))
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="-4"):
+        step(tf.constant(1.0))
+    assert (int(applied.numpy()), int(skipped.numpy())) == (0, 0)
 
 
 def test_valid_extremes_pass_the_check():

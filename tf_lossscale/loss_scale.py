@@ -32,6 +32,23 @@ loss scales split `update` in two: the all-replica finiteness flag, then
 context and holds the whole state transition, so an optimizer that computes
 the flag itself can drive them directly.
 
+What `should_apply_gradients` waits for in graphs:
+
+* in a TF1 graph (a `tf.Graph` run by a `Session`, not a `tf.function` of
+  an eager program), the built-in loss scales' `update` computes it from the
+  gradients alone, as TensorFlow's reference does: evaluating it needs none
+  of the loss scale's variables (not even their initializer) and neither
+  checks nor changes the state. `update_op` carries the state check, the
+  state change and the failure policy; run on a bad state it still fails and
+  changes no variable. A caller that branches on the flag and must not apply
+  a step that fails makes the branch wait for `update_op`
+  (`tf.control_dependencies([update_op])`);
+* inside a `tf.function` of an eager (TF2) program, where every stateful op
+  runs anyway, and from `_update_from_all_finite` (what `LossScaleOptimizer`
+  calls) in any graph, it is gated: it runs only after the state check, the
+  assignments and the failure policy, so a branch on it cannot apply a step
+  that failed.
+
 The dynamic algorithm (`DynamicLossScale`). State: the scale S (float32), the
 count of good steps G (int64) and, only when a feature needs them, the
 hysteresis budget H (int64, starts at `hysteresis`) and the count of
@@ -112,10 +129,18 @@ def _invalid_argument(message):
 
 
 def _update_from_grads(loss_scale, grads):
-    """Cross-replica context: the shared finiteness flag drives the update."""
+    """Cross-replica context: the shared finiteness flag drives the update.
+
+    In a TF1 graph, `should_apply` is not gated (module docstring): there the
+    caller picks what a `Session` runs, and evaluating the flag must not need
+    the state variables, as with TensorFlow's reference. Inside a
+    `tf.function` every stateful op runs anyway, so gating costs nothing and
+    keeps a branch on the flag from running on a step that fails.
+    """
     # pylint: disable=protected-access
     return loss_scale._update_from_all_finite(
-        distribution.all_replicas_finite(grads))
+        distribution.all_replicas_finite(grads),
+        gated=tf.compat.v1.executing_eagerly_outside_functions())
 
 
 class LossScale(tf.__internal__.tracking.Trackable, metaclass=abc.ABCMeta):
@@ -231,8 +256,13 @@ class FixedLossScale(LossScale):
         return distribution.call_in_cross_replica_context(
             _update_from_grads, self, grads)
 
-    def _update_from_all_finite(self, all_finite):
-        """`update` given the all-replica finiteness flag (cross-replica)."""
+    def _update_from_all_finite(self, all_finite, *, gated=True):
+        """`update` given the all-replica finiteness flag (cross-replica).
+
+        `gated` is accepted for the same call as `DynamicLossScale`'s; a
+        fixed scale has no state, so `should_apply` never waits for anything.
+        """
+        del gated
         if not self._skip_non_finite:
             return _graph_op(tf.no_op()), True
         return _graph_op(tf.no_op()), tf.convert_to_tensor(all_finite)
@@ -506,18 +536,28 @@ class DynamicLossScale(LossScale):
         return tf.convert_to_tensor(self._current_loss_scale)
 
     def update(self, grads):
+        """`LossScale.update`; in a TF1 graph `should_apply_gradients` comes
+        from `grads` alone and only `update_op` checks and moves the state
+        (module docstring)."""
         distribution.check_supported()
         return distribution.call_in_cross_replica_context(
             _update_from_grads, self, grads)
 
-    def _update_from_all_finite(self, all_finite):
+    def _update_from_all_finite(self, all_finite, *, gated=True):
         """One step from the flag every replica agrees on.
 
         Called in cross-replica context (or without a strategy). Checks the
         state, moves it on, then applies the failure policy. Returns
-        `(update_op, should_apply)` as `update` does; in graphs
-        `should_apply` runs only after the state check, the assignments and
-        the policy, so a branch on it cannot apply a step that failed.
+        `(update_op, should_apply)` as `update` does.
+
+        Args:
+          all_finite: scalar bool tensor, the all-replica finiteness flag.
+          gated: keyword-only; matters in graphs only. True (the default,
+            for optimizers): `should_apply` runs only after the state check,
+            the assignments and the policy, so a branch on it cannot apply a
+            step that failed. False (`update` in a TF1 graph): `should_apply`
+            is `all_finite` itself, evaluable without the state variables;
+            `update_op` alone carries the check, assignments and policy.
         """
         # Here rather than in `update`: an optimizer computes the flag itself
         # and calls this directly.
@@ -534,10 +574,15 @@ class DynamicLossScale(LossScale):
             failures = self._apply_failure_policy(new_state, at_floor)
         if tf.executing_eagerly():
             return None, all_finite
+        # The assignments wait for the state check, so running update_op
+        # runs the check first.
+        update_op = tf.group(assignments + failures)
+        if not gated:
+            return update_op, all_finite
         with tf.control_dependencies(
                 _ops(state_check) + assignments + failures):
             should_apply = tf.identity(all_finite)
-        return tf.group(assignments + failures), should_apply
+        return update_op, should_apply
 
     def _state_variables_in_order(self):
         return (self._current_loss_scale, self._good_steps,
