@@ -44,21 +44,8 @@ def _ours(make_loss_scale=lambda: "dynamic", make_inner=_momentum):
                                                     make_loss_scale())
 
 
-_STATE = ("weights", "global_step", "inner_variables",
-          "loss_scale_variables", "scale")
 _STEP_STATE = ("weights", "global_step", "inner_variables")
-
-
-def _assert_same_state(actual, expected, keys=_STATE):
-    """Bit for bit: what applied and skipped steps did must agree exactly."""
-    for key in keys:
-        a, e = actual[key], expected[key]
-        if isinstance(a, list):
-            assert len(a) == len(e), key
-            for a_value, e_value in zip(a, e):
-                np.testing.assert_array_equal(a_value, e_value, err_msg=key)
-        else:
-            np.testing.assert_array_equal(a, e, err_msg=key)
+_assert_same_state = tf1_graphs.assert_same_state
 
 
 # Construction.

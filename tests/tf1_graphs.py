@@ -91,6 +91,22 @@ def feed(kind, rng):
     return values
 
 
+STATE = ("weights", "global_step", "inner_variables", "loss_scale_variables",
+         "scale")
+
+
+def assert_same_state(actual, expected, keys=STATE):
+    """Bit for bit: what applied and skipped steps did must agree exactly."""
+    for key in keys:
+        a, e = actual[key], expected[key]
+        if isinstance(a, list):
+            assert len(a) == len(e), key
+            for a_value, e_value in zip(a, e):
+                np.testing.assert_array_equal(a_value, e_value, err_msg=key)
+        else:
+            np.testing.assert_array_equal(a, e, err_msg=key)
+
+
 def run_steps(train, kinds, seed=0, checkpoint=None):
     """Initialises `train`'s variables and runs its train op once per feed
     kind in a new Session; returns the state after each step (numpy values).
