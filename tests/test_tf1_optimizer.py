@@ -164,6 +164,25 @@ def test_compute_gradients_scales_the_loss_it_differentiates():
             assert session.run(seen[0]) == 2048.0
 
 
+def test_float16_gradients_are_unscaled_where_tensorflows_wrapper_fails():
+    graph = tf.Graph()
+    with graph.as_default():
+        variable = tf.compat.v1.Variable(tf.constant([1.0, -3.0], tf.float16))
+        loss = tf.reduce_sum(variable * variable)
+        with pytest.raises(TypeError, match="float16"):
+            TensorFlowWrapper(_momentum(), "dynamic").compute_gradients(loss)
+        # At 2**15, 2 * 2**15 would overflow float16 itself.
+        (grad, _), = MixedPrecisionLossScaleOptimizer(
+            _momentum(), tf_lossscale.DynamicLossScale(2.0**10)
+        ).compute_gradients(loss)
+        (plain, _), = _momentum().compute_gradients(loss)
+        assert grad.dtype == tf.float16
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            got, want = session.run([grad, plain])
+    np.testing.assert_array_equal(got, want)
+
+
 # apply_gradients and minimize in a Session.
 
 
@@ -387,10 +406,9 @@ def test_runs_with_v2_behaviour_disabled():
     """Reference variables and TF1 control flow, in a process of its own:
     skips, back-off and Saver as above, and the same weights as TensorFlow's
     wrapper."""
+    paths = [str(_HERE.parent), str(_HERE), os.environ.get("PYTHONPATH")]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3",
-           "PYTHONPATH": os.pathsep.join(
-               [str(_HERE.parent), str(_HERE)]
-               + os.environ.get("PYTHONPATH", "").split(os.pathsep))}
+           "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     done = subprocess.run(
         [sys.executable, str(_HERE / "tf1_behaviour_worker.py")],
         env=env, capture_output=True, text=True, timeout=300, check=False)
