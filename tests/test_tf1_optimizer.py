@@ -245,12 +245,16 @@ def test_drives_tensorflows_own_dynamic_loss_scale_like_tensorflows_wrapper():
         _assert_same_state(a, e)
 
 
-def test_slots_and_variables_are_the_wrapped_optimizers_and_the_scales():
+def test_slots_are_the_inner_optimizers_and_variables_add_the_scales():
+    """As TensorFlow's wrapper: the wrapper itself reports no slots (a slot
+    reported by two optimizers breaks tf.train.Checkpoint); `variables()`
+    is the inner optimizer's, then the loss scale's."""
     train = tf1_graphs.TrainGraph(_ours(make_inner=_adam))
-    opt, inner = train.optimizer, train.optimizer._optimizer  # pylint: disable=protected-access
-    assert opt.get_slot_names() == inner.get_slot_names() == ["m", "v"]
-    assert opt.get_slot(train.kernel, "m") is inner.get_slot(train.kernel, "m")
-    assert opt.get_slot(train.kernel, "nope") is None
+    opt, inner = train.optimizer, train.optimizer.inner_optimizer
+    assert inner is opt._optimizer  # pylint: disable=protected-access
+    assert inner.get_slot_names() == ["m", "v"]
+    assert opt.get_slot_names() == []
+    assert opt.get_slot(train.kernel, "m") is None
     with train.graph.as_default():
         assert [id(v) for v in opt.variables()] == [
             id(v) for v in inner.variables() + list(opt.loss_scale.variables)]
@@ -260,6 +264,8 @@ def test_slots_and_variables_are_the_wrapped_optimizers_and_the_scales():
         reference_names = [v.name for v in reference.optimizer.variables()]
     with train.graph.as_default():
         assert [v.name for v in opt.variables()] == reference_names
+    assert reference.optimizer.get_slot_names() == opt.get_slot_names()
+    assert reference.optimizer.get_slot(reference.kernel, "m") is None
 
 
 # Saving, MonitoredTrainingSession.
@@ -283,6 +289,46 @@ def test_saver_restores_a_checkpoint_of_tensorflows_wrapper(tmp_path):
         ["large", "finite", "nan"], checkpoint=path)[-1]
     restored = tf1_graphs.restored_state(_ours(make_inner=_adam), path)
     _assert_same_state(restored, saved)
+
+
+def test_object_checkpoint_of_tensorflows_wrapper_restores_into_ours(
+        tmp_path):
+    """tf.train.Checkpoint, eagerly: the same object names (`base_optimizer`,
+    `loss_scale`, and the scale's variables) as TensorFlow's wrapper."""
+
+    def train(optimizer, steps):
+        variable = tf.Variable([1.0, 2.0])
+        for value in steps:
+            optimizer.minimize(lambda: tf.reduce_sum(variable * value),  # pylint: disable=cell-var-from-loop
+                               var_list=[variable])
+        return variable
+
+    theirs = TensorFlowWrapper(_momentum(),
+                               oracle.reference_dynamic(2.0**8, 3))
+    saved_variable = train(theirs, [1.0, np.nan, 2.0])
+    path = tf.train.Checkpoint(variable=saved_variable, optimizer=theirs).save(
+        str(tmp_path / "ckpt"))
+    ours = MixedPrecisionLossScaleOptimizer(
+        _momentum(), tf_lossscale.DynamicLossScale(2.0**8, 3))
+    variable = train(ours, [])
+    ours.minimize(lambda: tf.reduce_sum(variable * 0.0), var_list=[variable])
+    checkpoint = tf.train.Checkpoint(variable=variable, optimizer=ours)
+    checkpoint.restore(path).assert_consumed()
+    checkpoint.save(str(tmp_path / "ours"))  # And ours saves.
+    assert float(ours.loss_scale()) == float(theirs._loss_scale()) == 2.0**7  # pylint: disable=protected-access
+    assert int(ours.loss_scale.good_steps) == 1
+    np.testing.assert_array_equal(variable.numpy(), saved_variable.numpy())
+    np.testing.assert_array_equal(
+        ours.inner_optimizer.get_slot(variable, "momentum").numpy(),
+        theirs._optimizer.get_slot(saved_variable, "momentum").numpy())  # pylint: disable=protected-access
+
+
+def test_a_failure_policy_fails_the_session_run():
+    train = tf1_graphs.TrainGraph(_ours(lambda: tf_lossscale.DynamicLossScale(
+        1.0, on_min_loss_scale="raise")))
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="already at min_loss_scale"):
+        tf1_graphs.run_steps(train, ["finite", "nan"])
 
 
 def test_monitored_training_session_runs_it(tmp_path):
@@ -328,8 +374,8 @@ def test_eager_minimize_takes_a_callable_and_skips_non_finite_steps():
     assert int(global_step) == 2
     assert float(opt.loss_scale()) == 4.0
     np.testing.assert_allclose(variable.numpy(), [0.71, 1.71])
-    np.testing.assert_allclose(opt.get_slot(variable, "momentum").numpy(),
-                               [1.9, 1.9])
+    np.testing.assert_allclose(
+        opt.inner_optimizer.get_slot(variable, "momentum").numpy(), [1.9, 1.9])
 
 
 # Distribution.

@@ -25,8 +25,8 @@ What differs from TensorFlow's wrapper:
   too (see `tf_lossscale.loss_scaled_step`, the step this class adapts);
 * gradients are unscaled by a division computed in float32 (float64 for
   float64 gradients) and cast back, so float16 gradients work;
-* `get_slot` and `get_slot_names` answer with the wrapped optimizer's slots
-  (TensorFlow's wrapper answers None and []);
+* the wrapped optimizer is public, as `inner_optimizer` (its slots are
+  there: the wrapper's own `get_slot` answers None, as TensorFlow's does);
 * wrapping a loss-scaling optimizer (this one or TensorFlow's) is refused:
   the loss would be scaled twice.
 """
@@ -104,6 +104,11 @@ class MixedPrecisionLossScaleOptimizer(tf.compat.v1.train.Optimizer):
         self._track_trackable(self._loss_scale, "loss_scale")
 
     @property
+    def inner_optimizer(self):
+        """The wrapped optimizer, which holds the slots."""
+        return self._optimizer
+
+    @property
     def loss_scale(self):
         """The loss scale; call it for the current scale (a float32 tensor)."""
         return self._loss_scale
@@ -178,12 +183,18 @@ class MixedPrecisionLossScaleOptimizer(tf.compat.v1.train.Optimizer):
         return tf.group(step, name=name)
 
     def get_slot(self, var, name):
-        """The wrapped optimizer's slot `name` for `var`, or None."""
-        return self._optimizer.get_slot(var, name)
+        """None, as with TensorFlow's wrapper: the slots are the wrapped
+        optimizer's; ask `inner_optimizer.get_slot(var, name)`.
+
+        `tf.train.Checkpoint` collects slots from every optimizer it meets
+        and refuses a slot that two of them report.
+        """
+        del var, name
+        return None
 
     def get_slot_names(self):
-        """The names of the wrapped optimizer's slots."""
-        return self._optimizer.get_slot_names()
+        """[], as with TensorFlow's wrapper; see `get_slot`."""
+        return []
 
     def variables(self):
         """The wrapped optimizer's variables in the current graph, then the
