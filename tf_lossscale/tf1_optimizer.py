@@ -20,9 +20,11 @@ What differs from TensorFlow's wrapper:
   a `tf_lossscale.LossScale` with any rule arguments, a serialized loss
   scale), or one of TensorFlow's own `tf.compat.v1.mixed_precision` loss
   scales, which is used as it is, driven by its own `update`;
-* under `tf.distribute` the finiteness flag is agreed by every replica on
-  every worker before the branch, for fixed scales that skip non-finite steps
-  too (see `tf_lossscale.loss_scaled_step`, the step this class adapts);
+* a fixed scale may skip non-finite steps too
+  (`FixedLossScale(v, skip_non_finite=True)`), with the finiteness flag
+  agreed by every replica as for a dynamic one (`tf_lossscale.
+  loss_scaled_step`, the step this class adapts); parameter-server and
+  central-storage strategies are refused with a ValueError;
 * gradients are unscaled by a division computed in float32 (float64 for
   float64 gradients) and cast back, so float16 gradients work;
 * the wrapped optimizer is public, as `inner_optimizer` (its slots are
@@ -34,7 +36,6 @@ What differs from TensorFlow's wrapper:
 import tensorflow as tf
 
 from tf_lossscale import distribution
-from tf_lossscale import loss_scale as loss_scale_lib
 from tf_lossscale import loss_scaled_step
 from tf_lossscale import serialization
 from tf_lossscale import unscaling
