@@ -22,7 +22,7 @@ setuptools.setup(
     python_requires=">=3.9",
     # The top-level configs/ folder ships inside the package as
     # tf_lossscale.configs, so the demo finds its defaults after any install.
-    packages=["tf_lossscale", "tf_lossscale.configs"],
+    packages=["tf_lossscale", "tf_lossscale.compat", "tf_lossscale.configs"],
     package_dir={"tf_lossscale.configs": "configs"},
     package_data={"tf_lossscale.configs": ["*.json"]},
     install_requires=[

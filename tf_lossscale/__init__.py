@@ -6,11 +6,14 @@ Public API:
   contract of TensorFlow's `tf.compat.v1.mixed_precision.LossScale`;
 * `get`, `serialize`, `deserialize`: identifiers and configs to loss scales;
 * `LossScaleOptimizer`: the Keras optimizer wrapper that uses them;
+* `compat.v1.MixedPrecisionLossScaleOptimizer`: the wrapper for
+  `tf.compat.v1.train` optimizers (TF1 graphs and Sessions);
 * `LossScaleMonitor`: a Keras callback that puts the current loss scale and
   the count of skipped steps into the logs of `fit` (progress bar, History,
   CSVLogger, TensorBoard).
 """
 
+from tf_lossscale import compat
 from tf_lossscale.keras_optimizer import LossScaleOptimizer
 from tf_lossscale.loss_scale import DynamicLossScale
 from tf_lossscale.loss_scale import FixedLossScale
@@ -28,6 +31,7 @@ __all__ = [
     "LossScale",
     "LossScaleMonitor",
     "LossScaleOptimizer",
+    "compat",
     "deserialize",
     "get",
     "serialize",

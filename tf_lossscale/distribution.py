@@ -114,6 +114,17 @@ def call_for_each_replica(fn, *args):
     return strategy.extended.call_for_each_replica(fn, args=args)
 
 
+def local_results(value):
+    """The flat list of what `value` holds on this worker: each replica's
+    component of a per-replica value, anything else as it is."""
+    flat = tf.nest.flatten(value)
+    strategy = strategy_in_use()
+    if strategy is None:
+        return flat
+    return [part for item in flat
+            for part in strategy.experimental_local_results(item)]
+
+
 def _replica_sum(strategy, flags_fn, args):
     """Each replica's `flags_fn(*args)`, as float32, summed over all replicas
     and workers with one all-reduce."""

@@ -156,7 +156,9 @@ def _is_small(values):
 def _small_flags(small):
     groups = collections.defaultdict(list)
     for values in small:
-        groups[(values.dtype, tuple(values.shape))].append(values)
+        # as_list: under TF1's V1 shapes, a shape's items are unhashable
+        # Dimensions. A small gradient's shape is fully known.
+        groups[(values.dtype, tuple(values.shape.as_list()))].append(values)
     return [is_finite(group[0] if len(group) == 1 else tf.stack(group))
             for group in groups.values()]
 

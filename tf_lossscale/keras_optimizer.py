@@ -204,18 +204,12 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
 
     # Scaling and unscaling.
 
-    def _scale(self, loss):
-        if callable(loss):
-            return lambda: self._scale(loss())
-        loss = tf.convert_to_tensor(loss)
-        return loss * tf.cast(self._loss_scale(), loss.dtype)
-
     def scale_loss(self, loss):
         """Keras 3 protocol: returns `loss * scale`; `apply_gradients` then
         takes the scaled gradients and unscales them."""
         self._caller_unscales = False
         self._awaiting_unscale = False
-        return self._scale(loss)
+        return loss_scaled_step.scale_loss(loss, self._loss_scale)
 
     def get_scaled_loss(self, loss):
         """TF 2.x protocol: returns `loss * scale` in the loss's dtype.
@@ -226,7 +220,7 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
         """
         self._caller_unscales = False
         self._awaiting_unscale = True
-        return self._scale(loss)
+        return loss_scaled_step.scale_loss(loss, self._loss_scale)
 
     def get_unscaled_gradients(self, grads):
         """TF 2.x protocol: returns `grads / scale`, structure and dtypes kept.

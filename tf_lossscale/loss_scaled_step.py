@@ -33,6 +33,15 @@ def takes_gradient_as_value(variable):
     return bool(getattr(variable, "overwrite_with_gradient", False))
 
 
+def scale_loss(loss, loss_scale):
+    """`loss * loss_scale()` in the loss's dtype; for a callable `loss`, a
+    callable that returns it."""
+    if callable(loss):
+        return lambda: scale_loss(loss(), loss_scale)
+    loss = tf.convert_to_tensor(loss)
+    return loss * tf.cast(loss_scale(), loss.dtype)
+
+
 def unscale_for_apply(grads, variables, scale):
     """`grads / scale`, except for variables that take their gradient as
     their value; `None` and `tf.IndexedSlices` entries keep their form."""
@@ -113,7 +122,8 @@ def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record):
       apply_fn: `apply_fn(grads, variables)` applies the gradients; it is
         called once in every replica with that replica's values, and may
         return an op or tensor to wait on.
-      skip_record: the `SkipRecord` written on skipped steps.
+      skip_record: the `SkipRecord` written on skipped steps, or None to
+        record nothing (a wrapper whose checkpoints hold no such state).
 
     Returns:
       None eagerly; in graphs an op that runs the whole step (TF1 callers
@@ -136,9 +146,13 @@ def _apply_or_skip_cross_replica(loss_scale, grads, variables, apply_fn,
     def apply_in_every_replica():
         results = distribution.call_for_each_replica(apply_fn, grads,
                                                      variables)
-        return _done(tf.nest.flatten(results))
+        # Per-replica results are unwrapped, so a TF1 graph's step op waits
+        # on every replica's apply.
+        return _done(distribution.local_results(results))
 
     def skip():
+        if skip_record is None:
+            return _done([])
         return _done(skip_record.write(grads, variables))
 
     if isinstance(should_apply, bool):
