@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -50,8 +51,8 @@ def _free_ports(count):
             s.close()
 
 
-def _worker_env(cluster, task_id):
-    env = dict(os.environ)
+def _worker_env(cluster, task_id, extra_env):
+    env = dict(os.environ, **extra_env)
     env["TF_CONFIG"] = json.dumps(
         {"cluster": cluster, "task": {"type": "worker", "index": task_id}})
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -63,8 +64,9 @@ def _worker_env(cluster, task_id):
     return env
 
 
-def _run_workers(job, tmp_path):
-    """Runs the job on two local workers; returns their JSON reports."""
+def _run_workers(job, tmp_path, extra_env=None):
+    """Runs the job on two local workers (with `extra_env` added to their
+    environment); returns their JSON reports."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                           "multi_worker_keras_worker.py")
     cluster = {"worker": [f"127.0.0.1:{port}"
@@ -77,7 +79,7 @@ def _run_workers(job, tmp_path):
             logs.append((stdout, stderr))
             processes.append(subprocess.Popen(
                 [sys.executable, script, json.dumps(job)],
-                env=_worker_env(cluster, task_id),
+                env=_worker_env(cluster, task_id, extra_env or {}),
                 stdout=stdout, stderr=stderr))
         deadline = time.monotonic() + _TIMEOUT_SECONDS
         failures = []
@@ -125,14 +127,15 @@ def _reference_scale_trace(job):
     return trace
 
 
-def _single_process_weights(job):
-    """Weights after each step of the same job trained on one device.
+def _single_process_weights(job, keras_module=keras):
+    """Weights after each step of the same job trained on one device (with
+    `keras_module`, Keras 3 or tf_keras).
 
     The global batch is both workers' batches; the NaN steps are simply left
     out, which is what skipping them must amount to.
     """
-    model = worker.build_model()
-    optimizer = worker.make_inner_optimizer()
+    model = worker.build_model(keras_module)
+    optimizer = worker.make_inner_optimizer(keras_module)
     batches = [worker.worker_batches(task_id, job)
                for task_id in range(_NUM_WORKERS)]
     trace = []

@@ -243,7 +243,12 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        """Creates the optimizer from its config or an older Keras format."""
+        """Creates the optimizer from its config or an older Keras format;
+        with `TF_USE_LEGACY_KERAS=1`, the tf-keras wrapper."""
+        if optimizer_protocol.tf_keras_is_tf_keras():
+            from tf_lossscale import tf_keras_optimizer  # pylint: disable=g-import-not-at-top
+            return tf_keras_optimizer.LossScaleOptimizer.from_config(
+                config, custom_objects)
         inner_config, kwargs = legacy_configs.to_constructor_arguments(config)
         inner = keras.optimizers.deserialize(inner_config,
                                              custom_objects=custom_objects)

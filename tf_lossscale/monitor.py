@@ -40,7 +40,6 @@ Keras 3 users never import tf_keras.
 """
 
 import functools
-import os
 
 import keras
 
@@ -105,11 +104,6 @@ class _Burst:
         return (f"LossScaleMonitor: {self.count} more skipped step{plural} in "
                 f"{_steps(self.first_step, self.last_step)}; loss scale "
                 f"{self.scale_before!r} -> {self.scale_after!r}")
-
-
-def _tf_keras_is_tf_keras():
-    """Whether `tf.keras` is tf-keras: TensorFlow's own switch."""
-    return os.environ.get("TF_USE_LEGACY_KERAS") in ("true", "True", "1")
 
 
 class _Monitor:
@@ -219,7 +213,7 @@ class LossScaleMonitor(_Monitor, keras.callbacks.Callback):
     """
 
     def __new__(cls, *args, **kwargs):
-        if cls is LossScaleMonitor and _tf_keras_is_tf_keras():
+        if cls is LossScaleMonitor and optimizer_protocol.tf_keras_is_tf_keras():
             return cls.for_tf_keras(*args, **kwargs)
         return super().__new__(cls)
 

@@ -20,8 +20,11 @@
 * the config both write: `{"name", "inner_optimizer", "loss_scale"}`.
 
 `comes_from_tf_keras(obj)` tells a tf-keras object from a Keras 3 one by its
-class's module, without importing tf_keras.
+class's module, without importing tf_keras; `tf_keras_is_tf_keras()` whether
+`tf.keras` is tf-keras (`TF_USE_LEGACY_KERAS`).
 """
+
+import os
 
 import tensorflow as tf
 
@@ -38,6 +41,11 @@ def comes_from_tf_keras(obj):
     """
     return any(klass.__module__.split(".")[0] == "tf_keras"
                for klass in type(obj).__mro__)
+
+
+def tf_keras_is_tf_keras():
+    """Whether `tf.keras` is tf-keras: TensorFlow's own switch."""
+    return os.environ.get("TF_USE_LEGACY_KERAS") in ("true", "True", "1")
 
 
 def check_replica_context():
