@@ -9,6 +9,8 @@ do not pay for tf-keras: `import tf_lossscale` imports no tf_keras.
 
 import json
 import os
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -59,6 +61,18 @@ def test_the_script_runs_exactly_these_journeys(journey_results):
 @pytest.mark.parametrize("journey", JOURNEYS)
 def test_journey(journey_results, journey):
     assert journey_results[journey] == "ok", journey_results[journey]
+
+
+def test_readme_tf_keras_example_runs_with_tf_keras():
+    readme = pathlib.Path(_PACKAGE_ROOT, "README.md").read_text()
+    blocks = [block for block in re.findall(r"```python\n(.*?)```", readme,
+                                             re.DOTALL)
+              if block.startswith("# Run with TF_USE_LEGACY_KERAS=1")]
+    assert len(blocks) == 1
+    code = blocks[0] + (
+        "\nimport json\nprint(json.dumps([int(optimizer.skipped_steps),"
+        " int(optimizer.iterations), float(optimizer.loss_scale())]))")
+    assert _run(["-c", code], TF_USE_LEGACY_KERAS="1") == [1, 1, 512.0]
 
 
 def test_import_tf_lossscale_does_not_import_tf_keras():
