@@ -302,3 +302,31 @@ def test_nan_on_one_replica_is_skipped_on_every_replica():
         for replica_value in strategy.experimental_local_results(ours):
             np.testing.assert_allclose(replica_value.numpy(), theirs.numpy(),
                                        rtol=1e-5, atol=1e-6)
+
+
+def test_monitor_for_tf_keras_logs_scale_and_skips_in_tf_keras_fit(capsys):
+    monitor = tf_lossscale.LossScaleMonitor.for_tf_keras(verbose=True)
+    assert isinstance(monitor, tf_keras.callbacks.Callback)
+    assert isinstance(tf_lossscale.LossScaleMonitor(), keras.callbacks.Callback)
+    model = _model()
+    model.compile(optimizer=tf_lossscale.LossScaleOptimizer(
+        tf_keras.optimizers.SGD(0.01),
+        loss_scale=tf_lossscale.DynamicLossScale(64.0, 1000)), loss="mse")
+    x, y = zip(*(_batch(step, nan=step == 1) for step in range(3)))
+    history = model.fit(np.concatenate(x), np.concatenate(y), batch_size=4,
+                        shuffle=False, verbose=0, callbacks=[monitor])
+    assert history.history["loss_scale"] == [32.0]
+    assert history.history["skipped_steps"] == [1]
+    printed = capsys.readouterr().out
+    assert "skipped step 2; loss scale 64.0 -> 32.0" in printed
+    assert "hidden/kernel:0" in printed
+
+
+def test_monitor_refuses_tf_keras_own_wrapper():
+    model = _model()
+    model.compile(optimizer=tf_keras.mixed_precision.LossScaleOptimizer(
+        tf_keras.optimizers.SGD()), loss="mse")
+    x, y = _batch(0)
+    with pytest.raises(TypeError, match="wrapping SGD"):
+        model.fit(x, y, verbose=0, callbacks=[
+            tf_lossscale.LossScaleMonitor.for_tf_keras()])
