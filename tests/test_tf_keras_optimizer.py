@@ -17,6 +17,7 @@ import tf_keras
 
 import strategies
 import tf_lossscale
+from fixtures import make_fixtures
 from tf_lossscale import tf_keras_optimizer
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
@@ -36,11 +37,8 @@ def _model(seed=0):
 
 
 def _batch(step, nan=False):
-    rng = np.random.default_rng(step)
-    x = rng.normal(size=(4, 3)).astype(np.float32)
-    if nan:
-        x[0, 0] = np.nan
-    return x, rng.normal(size=(4, 1)).astype(np.float32)
+    """8 examples of 3 features; with `nan`, one input is +inf."""
+    return make_fixtures.batch(step, finite=not nan)
 
 
 def _optimizer_variables(optimizer):
@@ -313,7 +311,7 @@ def test_monitor_for_tf_keras_logs_scale_and_skips_in_tf_keras_fit(capsys):
         tf_keras.optimizers.SGD(0.01),
         loss_scale=tf_lossscale.DynamicLossScale(64.0, 1000)), loss="mse")
     x, y = zip(*(_batch(step, nan=step == 1) for step in range(3)))
-    history = model.fit(np.concatenate(x), np.concatenate(y), batch_size=4,
+    history = model.fit(np.concatenate(x), np.concatenate(y), batch_size=8,
                         shuffle=False, verbose=0, callbacks=[monitor])
     assert history.history["loss_scale"] == [32.0]
     assert history.history["skipped_steps"] == [1]
