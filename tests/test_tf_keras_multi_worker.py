@@ -9,22 +9,22 @@ training on both workers' batches (replayed here with `tf_keras`).
 import numpy as np
 import tf_keras
 
-import test_keras_multi_worker as keras3_job
+import multi_worker_job as job_lib
 
 
 def test_nan_on_one_worker_skips_the_step_on_every_tf_keras_worker(tmp_path):
-    job = keras3_job._JOB  # pylint: disable=protected-access
-    first, second = keras3_job._run_workers(  # pylint: disable=protected-access
-        job, tmp_path, {"TF_USE_LEGACY_KERAS": "1"})
+    job = job_lib.JOB
+    first, second = job_lib.run_workers(job, tmp_path,
+                                        {"TF_USE_LEGACY_KERAS": "1"})
 
     assert sorted(r["task_id"] for r in (first, second)) == [0, 1]
     assert first["num_replicas"] == second["num_replicas"] == 2
     for key in ("weights", "scale", "iterations", "skipped_steps"):
         assert first[key] == second[key], key
-    assert first["scale"] == keras3_job._reference_scale_trace(job)  # pylint: disable=protected-access
+    assert first["scale"] == job_lib.reference_scale_trace(job)
     assert first["skipped_steps"][-1] == len(job["nan_steps"])
     assert first["iterations"][-1] == job["steps"] - len(job["nan_steps"])
     np.testing.assert_allclose(
         np.array(first["weights"]),
-        keras3_job._single_process_weights(job, tf_keras),  # pylint: disable=protected-access
+        job_lib.single_process_weights(job, tf_keras),
         rtol=1e-5, atol=1e-6)
