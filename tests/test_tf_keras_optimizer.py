@@ -98,6 +98,8 @@ def test_refuses_tf_keras_own_wrapper_and_shared_inner_optimizers():
     with pytest.raises(ValueError, match="already wrapped"):
         tf_keras.mixed_precision.LossScaleOptimizer(inner)
     del first
+    with pytest.raises(TypeError, match="inner_optimizer must be a"):
+        tf_lossscale.LossScaleOptimizer(tf_keras.layers.Dense(1))
 
 
 @pytest.mark.parametrize("kind", sorted(_KINDS))
