@@ -36,8 +36,11 @@ setuptools.setup(
         # keras.callbacks.TensorBoard and the demo's --logdir; tensorflow
         # (-cpu) does not install it. Same release range as tensorflow.
         "tensorboard": ["tensorboard>=2.16,<2.22"],
+        # tf-keras (Keras 2) optimizers, `TF_USE_LEGACY_KERAS=1`.
+        "tf-keras": ["tf-keras"],
         # The suite also runs the demo's --plot and --logdir.
-        "test": ["pytest", "absl-py", "matplotlib", "tensorboard>=2.16,<2.22"],
+        "test": ["pytest", "absl-py", "matplotlib", "tensorboard>=2.16,<2.22",
+                 "tf-keras"],
     },
     classifiers=[
         "Programming Language :: Python :: 3",

@@ -19,7 +19,9 @@ The worker prints one JSON line with what it saw after each step:
      "iterations": [...], "skipped_steps": [...]}
 
 The data and the initial weights come from functions here that the test also
-imports, so it can replay the job in one process.
+imports, so it can replay the job in one process. With `TF_USE_LEGACY_KERAS=1`
+the worker trains with tf-keras (`tf.keras` is then tf-keras), as
+`tests/test_tf_keras_multi_worker.py` runs it.
 """
 
 import json
@@ -33,6 +35,9 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 import keras  # pylint: disable=g-import-not-at-top
 import tf_lossscale  # pylint: disable=g-import-not-at-top
+
+if os.environ.get("TF_USE_LEGACY_KERAS") == "1":
+    keras = tf.keras  # tf-keras, as its users reach it.
 
 NUM_FEATURES = 3
 LOCAL_BATCH_SIZE = 4
@@ -52,7 +57,7 @@ def worker_batches(task_id, job):
     return x.astype(np.float32), y.astype(np.float32)
 
 
-def build_model():
+def build_model(keras=keras):  # pylint: disable=redefined-outer-name
     """The model with fixed initial weights, the same in every process."""
     model = keras.Sequential([
         keras.Input((NUM_FEATURES,)),
@@ -65,7 +70,7 @@ def build_model():
     return model
 
 
-def make_inner_optimizer():
+def make_inner_optimizer(keras=keras):  # pylint: disable=redefined-outer-name
     # Momentum slots make a wrongly applied skipped step visible in every
     # later step, not only in the step itself.
     return keras.optimizers.SGD(learning_rate=0.05, momentum=0.9)

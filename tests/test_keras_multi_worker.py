@@ -10,146 +10,16 @@ Keras 3.15's `model.fit` fails under this strategy even in float32 without
 loss scaling, so only custom loops are tested here.
 """
 
-import json
-import os
-import socket
-import subprocess
-import sys
-import time
-
 import numpy as np
-import tensorflow as tf
 
-import tf_lossscale
+import multi_worker_job as job_lib
 
-import multi_worker_keras_worker as worker
-
-_NUM_WORKERS = 2
-# A bound for a hung job (a worker waiting for a dead peer), not a speed
-# requirement: the job takes seconds.
-_TIMEOUT_SECONDS = 120
-_JOB = {
-    "steps": 6,
-    "nan_steps": [1, 4],
-    "nan_task": 1,
-    "initial_loss_scale": 4.0,
-    "increment_period": 2,
-}
-
-
-def _free_ports(count):
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def _worker_env(cluster, task_id):
-    env = dict(os.environ)
-    env["TF_CONFIG"] = json.dumps(
-        {"cluster": cluster, "task": {"type": "worker", "index": task_id}})
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    # The workers must import the tf_lossscale under test (e.g. from Bazel's
-    # runfiles), not whatever else the interpreter would find.
-    package_root = os.path.dirname(os.path.dirname(tf_lossscale.__file__))
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (package_root, env.get("PYTHONPATH")) if p)
-    return env
-
-
-def _run_workers(job, tmp_path):
-    """Runs the job on two local workers; returns their JSON reports."""
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                          "multi_worker_keras_worker.py")
-    cluster = {"worker": [f"127.0.0.1:{port}"
-                          for port in _free_ports(_NUM_WORKERS)]}
-    processes, logs = [], []
-    try:
-        for task_id in range(_NUM_WORKERS):
-            stdout = open(tmp_path / f"worker{task_id}.out", "w+")
-            stderr = open(tmp_path / f"worker{task_id}.err", "w+")
-            logs.append((stdout, stderr))
-            processes.append(subprocess.Popen(
-                [sys.executable, script, json.dumps(job)],
-                env=_worker_env(cluster, task_id),
-                stdout=stdout, stderr=stderr))
-        deadline = time.monotonic() + _TIMEOUT_SECONDS
-        failures = []
-        for task_id, process in enumerate(processes):
-            try:
-                returncode = process.wait(
-                    timeout=max(deadline - time.monotonic(), 0))
-            except subprocess.TimeoutExpired:
-                returncode = f"no result after {_TIMEOUT_SECONDS} s"
-            if returncode != 0:
-                failures.append((task_id, returncode))
-        if failures:
-            details = []
-            for task_id, returncode in failures:
-                stderr = logs[task_id][1]
-                stderr.seek(0)
-                details.append(f"--- worker {task_id} ({returncode}):\n"
-                               f"{stderr.read()[-6000:]}")
-            raise AssertionError("workers failed:\n" + "\n".join(details))
-        reports = []
-        for stdout, _ in logs:
-            stdout.seek(0)
-            reports.append(json.loads(stdout.read().strip().splitlines()[-1]))
-        return reports
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-        for stdout, stderr in logs:
-            stdout.close()
-            stderr.close()
-
-
-def _reference_scale_trace(job):
-    """Scale after each step, from TensorFlow's own DynamicLossScale."""
-    reference = tf.compat.v1.mixed_precision.DynamicLossScale(
-        initial_loss_scale=job["initial_loss_scale"],
-        increment_period=job["increment_period"], multiplier=2.0)
-    trace = []
-    for step in range(job["steps"]):
-        grad = float("nan") if step in job["nan_steps"] else 1.0
-        reference.update([tf.constant(grad)])
-        trace.append(float(reference()))
-    return trace
-
-
-def _single_process_weights(job):
-    """Weights after each step of the same job trained on one device.
-
-    The global batch is both workers' batches; the NaN steps are simply left
-    out, which is what skipping them must amount to.
-    """
-    model = worker.build_model()
-    optimizer = worker.make_inner_optimizer()
-    batches = [worker.worker_batches(task_id, job)
-               for task_id in range(_NUM_WORKERS)]
-    trace = []
-    for step in range(job["steps"]):
-        if step not in job["nan_steps"]:
-            x = np.concatenate([x[step] for x, _ in batches])
-            y = np.concatenate([y[step] for _, y in batches])
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(worker.per_example_loss(model, x, y))
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        trace.append(np.concatenate([w.ravel() for w in model.get_weights()]))
-    return np.array(trace)
+_JOB = job_lib.JOB
+_NUM_WORKERS = job_lib.NUM_WORKERS
 
 
 def test_nan_on_one_worker_skips_the_step_on_every_worker(tmp_path):
-    reports = _run_workers(_JOB, tmp_path)
+    reports = job_lib.run_workers(_JOB, tmp_path)
 
     assert sorted(r["task_id"] for r in reports) == [0, 1]
     assert all(r["num_replicas"] == _NUM_WORKERS for r in reports)
@@ -161,11 +31,11 @@ def test_nan_on_one_worker_skips_the_step_on_every_worker(tmp_path):
 
     weights = np.array(first["weights"])
     assert np.isfinite(weights).all()
-    assert first["scale"] == _reference_scale_trace(_JOB)
+    assert first["scale"] == job_lib.reference_scale_trace(_JOB)
     num_nan_steps = len(_JOB["nan_steps"])
     assert first["skipped_steps"][-1] == num_nan_steps
     assert first["iterations"][-1] == _JOB["steps"] - num_nan_steps
     # Comparing with one device also shows that the applied steps used the
     # gradients of both workers.
-    np.testing.assert_allclose(weights, _single_process_weights(_JOB),
+    np.testing.assert_allclose(weights, job_lib.single_process_weights(_JOB),
                                rtol=1e-5, atol=1e-6)

@@ -5,13 +5,18 @@ Public API:
 * `LossScale`, `FixedLossScale`, `DynamicLossScale`: loss scales with the
   contract of TensorFlow's `tf.compat.v1.mixed_precision.LossScale`;
 * `get`, `serialize`, `deserialize`: identifiers and configs to loss scales;
-* `LossScaleOptimizer`: the Keras optimizer wrapper that uses them;
+* `LossScaleOptimizer`: the Keras optimizer wrapper that uses them (for
+  tf-keras optimizers, a tf-keras wrapper: `tf_lossscale.tf_keras_optimizer`);
 * `compat.v1.MixedPrecisionLossScaleOptimizer`: the wrapper for
   `tf.compat.v1.train` optimizers (TF1 graphs and Sessions);
 * `LossScaleMonitor`: a Keras callback that puts the current loss scale and
   the count of skipped steps into the logs of `fit` (progress bar, History,
   CSVLogger, TensorBoard).
 """
+
+from importlib import util as _importlib_util
+
+from tf_lossscale import optimizer_protocol as _optimizer_protocol
 
 from tf_lossscale import compat
 from tf_lossscale.keras_optimizer import LossScaleOptimizer
@@ -22,6 +27,13 @@ from tf_lossscale.monitor import LossScaleMonitor
 from tf_lossscale.serialization import deserialize
 from tf_lossscale.serialization import get
 from tf_lossscale.serialization import serialize
+
+# With `tf.keras` being tf-keras, its users load saved models in processes
+# that have wrapped no optimizer yet: register the tf-keras wrappers now.
+# Otherwise tf_keras is imported only when a tf-keras optimizer is wrapped.
+if _optimizer_protocol.tf_keras_is_tf_keras() and (
+        _importlib_util.find_spec("tf_keras") is not None):
+    from tf_lossscale import tf_keras_optimizer  # pylint: disable=g-import-not-at-top,unused-import
 
 __version__ = "0.1.0"
 

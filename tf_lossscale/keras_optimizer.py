@@ -53,18 +53,16 @@ import keras
 import tensorflow as tf
 
 from tf_lossscale import distribution
-from tf_lossscale import gradient_checks
-from tf_lossscale import loss_scaled_step
 from tf_lossscale import legacy_configs
-from tf_lossscale import loss_scale as loss_scale_lib
+from tf_lossscale import loss_scaled_step
 from tf_lossscale import optimizer_arguments
+from tf_lossscale import optimizer_protocol
 from tf_lossscale import optimizer_saving
-from tf_lossscale import serialization
-from tf_lossscale import unscaling
 
 
 @keras.saving.register_keras_serializable(package="tf_lossscale")
 class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
+                         optimizer_protocol.ScaledLossProtocol,
                          keras.optimizers.LossScaleOptimizer):
     """Wraps a Keras optimizer with loss scaling by a `tf_lossscale.LossScale`.
 
@@ -92,7 +90,18 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
 
     `iterations` is the inner optimizer's: it counts applied steps only.
     `skipped_steps` counts the steps skipped for non-finite gradients.
+
+    A tf-keras (Keras 2) inner optimizer gets the tf-keras wrapper instead,
+    `tf_lossscale.tf_keras_optimizer`, with the same arguments.
     """
+
+    def __new__(cls, inner_optimizer=None, *args, **kwargs):
+        # tf-keras users write the same `tf_lossscale.LossScaleOptimizer(
+        # tf.keras.optimizers.Adam())`; tf_keras is imported only for them.
+        if optimizer_protocol.comes_from_tf_keras(inner_optimizer):
+            from tf_lossscale import tf_keras_optimizer  # pylint: disable=g-import-not-at-top
+            return tf_keras_optimizer.wrap(inner_optimizer, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, inner_optimizer, loss_scale="dynamic", name=None, *,
                  initial_scale=None, dynamic_growth_steps=None, dynamic=None,
@@ -112,28 +121,15 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
         # `self._loss_scale = ...` would use.
         object.__setattr__(self, "_loss_scale", resolved)
         self._track_trackable(resolved, name="loss_scale")
-        # `fit` uses the Keras 3 protocol; the TF 2.x methods switch it.
-        self._caller_unscales = False
-        # Set by get_scaled_loss until get_unscaled_gradients is called.
-        self._awaiting_unscale = False
+        self._reset_protocol()
         with keras.name_scope(self.name):
             self._skipped_steps = keras.Variable(
                 0, name="skipped_steps", dtype="int64", trainable=False,
                 aggregation="none")
         optimizer_arguments.warn_if_scaling_bfloat16(resolved)
 
-    # Keras-compatible attributes (the inner optimizer's hyperparameters come
-    # from InnerHyperparameters).
-
-    @property
-    def loss_scale(self):
-        """The `tf_lossscale.LossScale`; call it for the current scale."""
-        return self._loss_scale
-
-    @property
-    def skipped_steps(self):
-        """Steps skipped for non-finite gradients, a scalar int64 tensor."""
-        return tf.convert_to_tensor(self._skipped_steps)
+    # Keras-compatible attributes come from ScaledLossProtocol (the loss
+    # scale's) and InnerHyperparameters (the inner optimizer's).
 
     @property
     def iterations(self):
@@ -148,34 +144,9 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
         self.inner_optimizer.learning_rate = learning_rate
 
     @property
-    def dynamic(self):
-        """Whether the loss scale is dynamic (a `DynamicLossScale`)."""
-        return isinstance(self._loss_scale, loss_scale_lib.DynamicLossScale)
-
-    @property
-    def dynamic_scale(self):
-        """The current scale, as Keras' own LossScaleOptimizer names it."""
-        return self._loss_scale()
-
-    @property
-    def dynamic_counter(self):
-        """Good steps since the scale last changed; None for a fixed scale."""
-        return self._loss_scale.good_steps if self.dynamic else None
-
-    @property
     def variables(self):
         """All state: the wrapper's, the loss scale's, the inner optimizer's."""
         return optimizer_saving.listed_variables(self)
-
-    @property
-    def initial_scale(self):
-        config = self._loss_scale.get_config()
-        return config.get("initial_loss_scale",
-                          config.get("loss_scale_value"))
-
-    @property
-    def dynamic_growth_steps(self):
-        return self._loss_scale.get_config().get("increment_period")
 
     def build(self, var_list):
         self.inner_optimizer.build(var_list)
@@ -202,46 +173,10 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
         return [variable.path for variable, flag
                 in zip(self._trainable_variables, flags) if flag]
 
-    # Scaling and unscaling.
-
-    def scale_loss(self, loss):
-        """Keras 3 protocol: returns `loss * scale`; `apply_gradients` then
-        takes the scaled gradients and unscales them."""
-        self._caller_unscales = False
-        self._awaiting_unscale = False
-        return loss_scaled_step.scale_loss(loss, self._loss_scale)
-
-    def get_scaled_loss(self, loss):
-        """TF 2.x protocol: returns `loss * scale` in the loss's dtype.
-
-        `loss` may be a callable returning the loss; a callable returning the
-        scaled loss comes back. Unscale the gradients with
-        `get_unscaled_gradients` before `apply_gradients`.
-        """
-        self._caller_unscales = False
-        self._awaiting_unscale = True
-        return loss_scaled_step.scale_loss(loss, self._loss_scale)
-
-    def get_unscaled_gradients(self, grads):
-        """TF 2.x protocol: returns `grads / scale`, structure and dtypes kept.
-
-        `None` entries stay None; `tf.IndexedSlices` stay IndexedSlices.
-        """
-        self._caller_unscales = True
-        self._awaiting_unscale = False
-        return unscaling.unscale_structure(grads, self._loss_scale())
-
     # Applying.
 
     def apply_gradients(self, grads_and_vars):
-        if self._awaiting_unscale:
-            raise ValueError(
-                "apply_gradients got the gradients of get_scaled_loss's loss "
-                "without get_unscaled_gradients: they are still multiplied by "
-                "the loss scale. Call grads = optimizer."
-                "get_unscaled_gradients(grads) before apply_gradients, or use "
-                "optimizer.scale_loss(loss) instead of get_scaled_loss, and "
-                "apply_gradients unscales them itself.")
+        self.check_unscaled()
         grads, trainable_variables = zip(*grads_and_vars)
         self.apply(grads, trainable_variables)
         return self.iterations
@@ -252,12 +187,7 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
         Must be called in a replica context (as `fit` and `strategy.run` do,
         or with no strategy at all).
         """
-        if tf.distribute.has_strategy() and (
-                tf.distribute.in_cross_replica_context()):
-            raise RuntimeError(
-                "LossScaleOptimizer.apply_gradients must be called in a "
-                "replica context: inside strategy.run (or model.fit), not "
-                "directly under strategy.scope()")
+        optimizer_protocol.check_replica_context()
         distribution.check_supported()
         grads = list(grads)
         if trainable_variables is not None:
@@ -291,10 +221,6 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
             "tf_lossscale.LossScaleOptimizer is stateful (TensorFlow backend); "
             "use apply or apply_gradients")
 
-    def check_finite(self, grads):
-        """Whether every gradient on this replica is finite (a bool tensor)."""
-        return gradient_checks.all_finite(grads)
-
     def finalize_variable_values(self, var_list):
         self.inner_optimizer.finalize_variable_values(var_list)
 
@@ -312,16 +238,17 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
             save_type, **kwargs)
 
     def get_config(self):
-        return {
-            "name": self.name,
-            "inner_optimizer": keras.saving.serialize_keras_object(
-                self.inner_optimizer),
-            "loss_scale": serialization.serialize(self._loss_scale),
-        }
+        return optimizer_protocol.wrapper_config(
+            self, keras.saving.serialize_keras_object(self.inner_optimizer))
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        """Creates the optimizer from its config or an older Keras format."""
+        """Creates the optimizer from its config or an older Keras format;
+        with `TF_USE_LEGACY_KERAS=1`, the tf-keras wrapper."""
+        if optimizer_protocol.tf_keras_is_tf_keras():
+            from tf_lossscale import tf_keras_optimizer  # pylint: disable=g-import-not-at-top
+            return tf_keras_optimizer.LossScaleOptimizer.from_config(
+                config, custom_objects)
         inner_config, kwargs = legacy_configs.to_constructor_arguments(config)
         inner = keras.optimizers.deserialize(inner_config,
                                              custom_objects=custom_objects)

@@ -33,7 +33,19 @@ def _strip_tf_keras_only_keys(inner_config):
 
 
 def to_constructor_arguments(config):
-    """Returns `(inner_optimizer_config, kwargs)` for any known config shape.
+    """Returns `(inner_optimizer_config, kwargs)` for any known config shape,
+    the inner config made loadable by Keras 3.
+
+    Raises:
+      ValueError: `config` names no inner optimizer.
+    """
+    inner, kwargs = split_inner_optimizer(config)
+    return _strip_tf_keras_only_keys(inner), kwargs
+
+
+def split_inner_optimizer(config):
+    """Returns `(inner_optimizer_config, kwargs)` for any known config shape,
+    the inner config as written (what tf-keras reads).
 
     Raises:
       ValueError: `config` names no inner optimizer.
@@ -47,4 +59,4 @@ def to_constructor_arguments(config):
         raise ValueError(
             "A LossScaleOptimizer config needs 'inner_optimizer' (or "
             f"'optimizer' in TF <= 2.3 configs), got keys {sorted(config)}")
-    return _strip_tf_keras_only_keys(inner), kwargs
+    return inner, kwargs

@@ -31,11 +31,19 @@ large initial scale, or a run that skips every other step, prints two lines,
 not one per step. A burst that goes on is summarized every
 `BURST_SUMMARY_SKIPS` skipped steps, and whatever is pending when training
 ends is printed then.
+
+tf-keras (Keras 2) models need a tf-keras callback: with
+`TF_USE_LEGACY_KERAS=1` (when `tf.keras` is tf-keras) `LossScaleMonitor()`
+is one; with `tf_keras` imported directly, use
+`LossScaleMonitor.for_tf_keras()`. That class is created on first use, so
+Keras 3 users never import tf_keras.
 """
+
+import functools
 
 import keras
 
-from tf_lossscale import keras_optimizer
+from tf_lossscale import optimizer_protocol
 
 # Skips at most this many steps apart belong to one burst.
 BURST_GAP_STEPS = 10
@@ -46,11 +54,11 @@ _MAX_NAMED_VARIABLES = 5
 
 
 def _check_optimizer(optimizer):
-    if isinstance(optimizer, keras_optimizer.LossScaleOptimizer):
+    if isinstance(optimizer, optimizer_protocol.ScaledLossProtocol):
         return
     kind = type(optimizer)
     hint = ""
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+    if hasattr(optimizer, "inner_optimizer"):  # Keras 3 or tf-keras own.
         inner = type(optimizer.inner_optimizer).__name__
         hint = (f" (wrapping {inner}); under the mixed_float16 policy Keras "
                 "wraps any other optimizer in its own LossScaleOptimizer, so "
@@ -98,21 +106,9 @@ class _Burst:
                 f"{self.scale_before!r} -> {self.scale_after!r}")
 
 
-class LossScaleMonitor(keras.callbacks.Callback):
-    """Adds `loss_scale` and `skipped_steps` to every batch's and epoch's logs.
-
-    List it before the callbacks that should see the two values (the progress
-    bar and `History` always come after it). See the module docstring.
-
-    Args:
-      verbose: if True, print skipped steps, rate-limited (one line for the
-        first skip of a burst, one summary line for the rest of it). Steps are
-        counted from 1 at the start of each `fit` call.
-
-    Raises:
-      TypeError: `verbose` is not a bool; at the start of training, the
-        model's optimizer is not a `tf_lossscale.LossScaleOptimizer`.
-    """
+class _Monitor:
+    """The monitor, for either framework's Callback base (the next class in
+    the MRO); see `LossScaleMonitor`."""
 
     def __init__(self, verbose=False):
         if not isinstance(verbose, bool):
@@ -195,3 +191,44 @@ class LossScaleMonitor(keras.callbacks.Callback):
         if self._burst is not None and self._burst.count:
             print("\n" + self._burst.summary())
         self._burst = None
+
+
+class LossScaleMonitor(_Monitor, keras.callbacks.Callback):
+    """Adds `loss_scale` and `skipped_steps` to every batch's and epoch's logs.
+
+    List it before the callbacks that should see the two values (the progress
+    bar and `History` always come after it). See the module docstring.
+
+    Args:
+      verbose: if True, print skipped steps, rate-limited (one line for the
+        first skip of a burst, one summary line for the rest of it). Steps are
+        counted from 1 at the start of each `fit` call.
+
+    Raises:
+      TypeError: `verbose` is not a bool; at the start of training, the
+        model's optimizer is not a `tf_lossscale.LossScaleOptimizer`.
+
+    With `TF_USE_LEGACY_KERAS=1` the object made is a tf-keras callback
+    (`for_tf_keras`).
+    """
+
+    def __new__(cls, *args, **kwargs):
+        if cls is LossScaleMonitor and optimizer_protocol.tf_keras_is_tf_keras():
+            return cls.for_tf_keras(*args, **kwargs)
+        return super().__new__(cls)
+
+    @staticmethod
+    def for_tf_keras(verbose=False):
+        """The monitor as a `tf_keras.callbacks.Callback`, for tf-keras'
+        `fit`."""
+        return _tf_keras_monitor_class()(verbose)
+
+
+@functools.lru_cache(maxsize=None)
+def _tf_keras_monitor_class():
+    import tf_keras  # pylint: disable=g-import-not-at-top
+
+    class TfKerasLossScaleMonitor(_Monitor, tf_keras.callbacks.Callback):
+        __doc__ = LossScaleMonitor.__doc__
+
+    return TfKerasLossScaleMonitor

@@ -167,16 +167,21 @@ def check_inner_optimizer(inner_optimizer):
         raise TypeError(
             "inner_optimizer must be a keras.optimizers.Optimizer instance, "
             f"got {inner_optimizer!r} of type {type(inner_optimizer).__name__}")
-    owner = _OWNERS.get(inner_optimizer)
-    if owner is not None and owner() is not None:
-        raise ValueError(
-            f"inner_optimizer {inner_optimizer.name!r} is already wrapped by "
-            "another LossScaleOptimizer; give each wrapper its own optimizer")
+    check_unowned(inner_optimizer)
     if inner_optimizer.loss_scale_factor is not None:
         raise ValueError(
             f"inner_optimizer has loss_scale_factor="
             f"{inner_optimizer.loss_scale_factor!r}; the LossScaleOptimizer "
             "scales the loss itself, so leave it unset")
+
+
+def check_unowned(inner_optimizer):
+    """Raises ValueError if another wrapper owns `inner_optimizer`."""
+    owner = _OWNERS.get(inner_optimizer)
+    if owner is not None and owner() is not None:
+        raise ValueError(
+            f"inner_optimizer {inner_optimizer.name!r} is already wrapped by "
+            "another LossScaleOptimizer; give each wrapper its own optimizer")
 
 
 def warn_if_scaling_bfloat16(loss_scale):

@@ -1,0 +1,166 @@
+"""What the Keras 3 and the tf-keras `LossScaleOptimizer`s share.
+
+`ScaledLossProtocol` is a mixin for both wrapper classes (each keeps its
+`LossScale` in `_loss_scale` and its skipped-step counter in
+`_skipped_steps`). It holds, once:
+
+* the attributes Keras' and tf-keras' wrappers have (`loss_scale`, `dynamic`,
+  `dynamic_scale`, `dynamic_counter`, `initial_scale`,
+  `dynamic_growth_steps`) and `skipped_steps`;
+* the two protocols of a training step and their bookkeeping:
+  - Keras 3 (`fit` of Keras 3): `scale_loss(loss)`, then `apply_gradients`
+    with the *scaled* gradients, which the wrapper unscales;
+  - TF 2.x (tf-keras' `fit` and `minimize`, custom loops):
+    `get_scaled_loss(loss)`, `get_unscaled_gradients(grads)`, then
+    `apply_gradients` with *unscaled* gradients.
+  `apply_gradients` follows whichever was called last (while tracing, in a
+  `tf.function`); `get_scaled_loss` followed by `apply_gradients` without
+  `get_unscaled_gradients` raises (`check_unscaled`) instead of applying
+  gradients still multiplied by the scale;
+* the config both write: `{"name", "inner_optimizer", "loss_scale"}`.
+
+`comes_from_tf_keras(obj)` tells a tf-keras object from a Keras 3 one by its
+class's module, without importing tf_keras; `tf_keras_is_tf_keras()` whether
+`tf.keras` is tf-keras (`TF_USE_LEGACY_KERAS`).
+"""
+
+import os
+
+import tensorflow as tf
+
+from tf_lossscale import gradient_checks
+from tf_lossscale import loss_scale as loss_scale_lib
+from tf_lossscale import loss_scaled_step
+from tf_lossscale import serialization
+from tf_lossscale import unscaling
+
+
+def comes_from_tf_keras(obj):
+    """Whether `obj`'s class, or a base of it, is defined in tf_keras.
+
+    Reads module names only, so Keras 3 users never import tf_keras.
+    """
+    return any(klass.__module__.split(".")[0] == "tf_keras"
+               for klass in type(obj).__mro__)
+
+
+def tf_keras_is_tf_keras():
+    """Whether `tf.keras` is tf-keras: TensorFlow's own switch."""
+    return os.environ.get("TF_USE_LEGACY_KERAS") in ("true", "True", "1")
+
+
+def check_replica_context():
+    """Raises RuntimeError in a strategy's cross-replica context:
+    `apply_gradients` must run inside `strategy.run` (or `fit`), or with no
+    strategy at all."""
+    if tf.distribute.has_strategy() and (
+            tf.distribute.in_cross_replica_context()):
+        raise RuntimeError(
+            "LossScaleOptimizer.apply_gradients must be called in a "
+            "replica context: inside strategy.run (or model.fit), not "
+            "directly under strategy.scope()")
+
+
+def wrapper_config(optimizer, serialized_inner):
+    """The config of a wrapper whose inner optimizer serialized as given."""
+    return {
+        "name": optimizer.name,
+        "inner_optimizer": serialized_inner,
+        "loss_scale": serialization.serialize(optimizer._loss_scale),  # pylint: disable=protected-access
+    }
+
+
+class ScaledLossProtocol:
+    """The loss-scale attributes and both step protocols of a wrapper.
+
+    The wrapper sets `_loss_scale` and `_skipped_steps`, and calls
+    `_reset_protocol()` in its constructor.
+    """
+
+    def _reset_protocol(self):
+        # `fit` of Keras 3 uses the Keras 3 protocol; the TF 2.x methods
+        # switch it.
+        self._caller_unscales = False
+        # Set by get_scaled_loss until get_unscaled_gradients is called.
+        self._awaiting_unscale = False
+
+    @property
+    def loss_scale(self):
+        """The `tf_lossscale.LossScale`; call it for the current scale."""
+        return self._loss_scale
+
+    @property
+    def skipped_steps(self):
+        """Steps skipped for non-finite gradients, a scalar int64 tensor."""
+        return tf.convert_to_tensor(self._skipped_steps)
+
+    @property
+    def dynamic(self):
+        """Whether the loss scale is dynamic (a `DynamicLossScale`)."""
+        return isinstance(self._loss_scale, loss_scale_lib.DynamicLossScale)
+
+    @property
+    def dynamic_scale(self):
+        """The current scale, as Keras' own LossScaleOptimizer names it."""
+        return self._loss_scale()
+
+    @property
+    def dynamic_counter(self):
+        """Good steps since the scale last changed; None for a fixed scale."""
+        return self._loss_scale.good_steps if self.dynamic else None
+
+    @property
+    def initial_scale(self):
+        config = self._loss_scale.get_config()
+        return config.get("initial_loss_scale",
+                          config.get("loss_scale_value"))
+
+    @property
+    def dynamic_growth_steps(self):
+        return self._loss_scale.get_config().get("increment_period")
+
+    def _scale(self, loss):
+        return loss_scaled_step.scale_loss(loss, self._loss_scale)
+
+    def scale_loss(self, loss):
+        """Keras 3 protocol: returns `loss * scale`; `apply_gradients` then
+        takes the scaled gradients and unscales them."""
+        self._caller_unscales = False
+        self._awaiting_unscale = False
+        return self._scale(loss)
+
+    def get_scaled_loss(self, loss):
+        """TF 2.x protocol: returns `loss * scale` in the loss's dtype.
+
+        `loss` may be a callable returning the loss; a callable returning the
+        scaled loss comes back. Unscale the gradients with
+        `get_unscaled_gradients` before `apply_gradients`.
+        """
+        self._caller_unscales = False
+        self._awaiting_unscale = True
+        return self._scale(loss)
+
+    def get_unscaled_gradients(self, grads):
+        """TF 2.x protocol: returns `grads / scale`, structure and dtypes kept.
+
+        `None` entries stay None; `tf.IndexedSlices` stay IndexedSlices.
+        """
+        self._caller_unscales = True
+        self._awaiting_unscale = False
+        return unscaling.unscale_structure(grads, self._loss_scale())
+
+    def check_unscaled(self):
+        """Raises ValueError if `get_scaled_loss` was not followed by
+        `get_unscaled_gradients`: the gradients still hold the scale."""
+        if self._awaiting_unscale:
+            raise ValueError(
+                "apply_gradients got the gradients of get_scaled_loss's loss "
+                "without get_unscaled_gradients: they are still multiplied by "
+                "the loss scale. Call grads = optimizer."
+                "get_unscaled_gradients(grads) before apply_gradients, or use "
+                "optimizer.scale_loss(loss) instead of get_scaled_loss, and "
+                "apply_gradients unscales them itself.")
+
+    def check_finite(self, grads):
+        """Whether every gradient on this replica is finite (a bool tensor)."""
+        return gradient_checks.all_finite(grads)

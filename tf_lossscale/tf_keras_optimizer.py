@@ -1,0 +1,292 @@
+"""`LossScaleOptimizer` for tf-keras (Keras 2) optimizers.
+
+Imported only when a tf-keras optimizer is wrapped:
+`tf_lossscale.LossScaleOptimizer(tf.keras.optimizers.Adam())` with
+`TF_USE_LEGACY_KERAS=1`, or with a `tf_keras` optimizer, returns one of the two
+classes here (the Keras 3 class dispatches in `__new__`):
+
+* `LossScaleOptimizer` for `tf_keras.optimizers.*` (tf-keras' Optimizer of
+  2.11+), a subclass of tf-keras' own `LossScaleOptimizerV3`;
+* `LegacyLossScaleOptimizer` for `tf_keras.optimizers.legacy.*`
+  (`OptimizerV2`), a subclass of tf-keras' own V2 `LossScaleOptimizer`.
+
+Both are therefore instances of `tf.keras.mixed_precision.LossScaleOptimizer`:
+tf-keras' `compile` under `mixed_float16` keeps them (it wraps any optimizer
+that is not one), and trainers that test for that class (TF Model Garden's)
+take the loss-scaling path. From tf-keras' classes they keep only the
+delegation to the inner optimizer (`iterations`, `learning_rate`, the legacy
+class's hyperparameters, `minimize`, `compute_gradients`); the step is
+tf_lossscale's (`tf_lossscale.loss_scaled_step`), so unlike tf-keras':
+
+* a skipped step leaves weights, slots *and* `iterations` untouched, and is
+  counted in `skipped_steps`, with `last_nonfinite_variables()`;
+* any `tf_lossscale` loss scale, fixed scales that skip included;
+* one agreed decision across replicas and workers before any collective.
+
+State and formats, as tf-keras' wrapper has them: checkpoint dependencies are
+the inner optimizer's plus `loss_scale` (and `skipped_steps`), so checkpoints
+of tf-keras' wrapper restore into this one and back; `variables` (and the
+legacy `weights`) are the inner optimizer's, then the loss scale's, then the
+wrapper's own, which `.h5` files and `.keras` files store; configs are
+`{"name", "inner_optimizer", "loss_scale"}`, and tf-keras' own
+(`dynamic`, `initial_scale`, `dynamic_growth_steps`) load too.
+"""
+
+import tensorflow as tf
+import tf_keras
+from tf_keras.src.mixed_precision import loss_scale_optimizer as tf_keras_lso
+
+from tf_lossscale import distribution
+from tf_lossscale import legacy_configs
+from tf_lossscale import loss_scaled_step
+from tf_lossscale import optimizer_arguments
+from tf_lossscale import optimizer_protocol
+
+_NEW_BASE = tf_keras.optimizers.Optimizer
+_LEGACY_BASE = tf_keras.optimizers.legacy.Optimizer
+
+
+def wrap(inner_optimizer, *args, **kwargs):
+    """The tf-keras wrapper class for `inner_optimizer`, constructed with
+    the arguments of `tf_lossscale.LossScaleOptimizer`."""
+    if isinstance(inner_optimizer, _LEGACY_BASE):
+        return LegacyLossScaleOptimizer(inner_optimizer, *args, **kwargs)
+    return LossScaleOptimizer(inner_optimizer, *args, **kwargs)
+
+
+def _check_inner(inner_optimizer, base):
+    if isinstance(inner_optimizer, tf_keras_lso.BaseLossScaleOptimizer):
+        raise ValueError(
+            f"inner_optimizer {inner_optimizer!r} is already a "
+            "LossScaleOptimizer; wrapping it again would scale the loss twice")
+    if not isinstance(inner_optimizer, base):
+        raise TypeError(
+            f"inner_optimizer must be a {base.__module__}.{base.__name__} "
+            f"instance, got {inner_optimizer!r}")
+    optimizer_arguments.check_unowned(inner_optimizer)
+    if getattr(inner_optimizer, "_is_wrapped_by_loss_scale_optimizer", False):
+        raise ValueError(
+            "inner_optimizer is already wrapped by tf-keras' "
+            "LossScaleOptimizer; give each wrapper its own optimizer")
+
+
+def _key(variable):
+    """One key for a variable, whichever replica's component is at hand."""
+    if hasattr(variable, "_distributed_container"):
+        variable = variable._distributed_container()  # pylint: disable=protected-access
+    return variable._unique_id  # pylint: disable=protected-access
+
+
+class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
+    """What both tf-keras wrapper classes add to tf-keras' own wrappers.
+
+    Args and Raises: as `tf_lossscale.LossScaleOptimizer`; `inner_optimizer`
+    is a tf-keras optimizer of the class's kind.
+    """
+
+    _INNER_BASE = None  # The inner optimizers' base class.
+
+    def __init__(self, inner_optimizer, loss_scale="dynamic", name=None, *,
+                 initial_scale=None, dynamic_growth_steps=None, dynamic=None,
+                 **kwargs):
+        _check_inner(inner_optimizer, self._INNER_BASE)
+        optimizer_arguments.check_base_optimizer_kwargs(kwargs)
+        resolved = optimizer_arguments.resolve_loss_scale(
+            loss_scale, dynamic, initial_scale, dynamic_growth_steps)
+        # First: the legacy class's __setattr__ reads the inner optimizer.
+        self._optimizer = inner_optimizer
+        inner_optimizer._is_wrapped_by_loss_scale_optimizer = True  # pylint: disable=protected-access
+        optimizer_arguments.claim(inner_optimizer, self)
+        # As in tf-keras' wrapper, checkpoint dependencies are the inner
+        # optimizer's: tracking below lands there, so both wrappers' checkpoints
+        # have one layout and restore into each other.
+        tf.__internal__.tracking.DelegatingTrackableMixin.__init__(
+            self, inner_optimizer)
+        self.name = name or "LossScaleOptimizer"
+        self._loss_scale = resolved
+        self._track_trackable(resolved, "loss_scale")
+        with tf.init_scope():
+            self._skipped_steps = tf.Variable(
+                0, name="skipped_steps", dtype=tf.int64, trainable=False,
+                aggregation=tf.VariableAggregation.NONE)
+        self._track_trackable(self._skipped_steps, "skipped_steps")
+        # Created with the inner optimizer's slots (`_build`).
+        self._last_nonfinite = None
+        self._built_for = []
+        self._reset_protocol()
+
+    # State.
+
+    def _build(self, var_list):
+        """Builds the inner optimizer and the per-variable overflow flags."""
+        var_list = list(var_list)
+        self._build_inner(var_list)
+        if self._last_nonfinite is None:
+            with tf.init_scope():
+                # One flag per variable, written only on skipped steps.
+                flags = tf.Variable(
+                    tf.zeros([len(var_list)], tf.int32),
+                    name="last_nonfinite", trainable=False,
+                    aggregation=tf.VariableAggregation.NONE)
+            # Past automatic tracking, which would make them checkpoint
+            # dependencies of the inner optimizer (see __init__).
+            object.__setattr__(self, "_last_nonfinite", flags)
+            object.__setattr__(self, "_built_for", var_list)
+
+    def _all_variables(self):
+        """The inner optimizer's variables, the scale's, then the wrapper's."""
+        own = [self._skipped_steps]
+        if self._last_nonfinite is not None:
+            own.append(self._last_nonfinite)
+        return (list(self._inner_variables()) + list(self._loss_scale.variables)
+                + own)
+
+    def get_weights(self):
+        return [variable.numpy() for variable in self._all_variables()]
+
+    def set_weights(self, weights):
+        """Sets every variable of `variables`, in that order (.h5 files)."""
+        variables = self._all_variables()
+        if len(weights) != len(variables):
+            raise ValueError(
+                f"LossScaleOptimizer has {len(variables)} variables, got "
+                f"{len(weights)} values: build it first with "
+                "optimizer.build(model.trainable_variables)")
+        for variable, value in zip(variables, weights):
+            variable.assign(value)
+
+    def save_own_variables(self, store):
+        """`.keras` files: the values of `variables`, under "0", "1", ..."""
+        for index, value in enumerate(self.get_weights()):
+            store[str(index)] = value
+
+    def load_own_variables(self, store):
+        """Restores `save_own_variables`; an optimizer not built like the
+        saved one is left untouched (as tf-keras does), scale included."""
+        if len(store.keys()) != len(self._all_variables()):
+            tf.get_logger().warning(
+                f"Skipping variable loading for optimizer '{self.name}': it "
+                f"has {len(self._all_variables())} variables, the saved one "
+                f"{len(store.keys())}. Build it first.")
+            return
+        self.set_weights([store[str(i)] for i in range(len(store.keys()))])
+
+    def last_nonfinite_variables(self):
+        """Names of the variables whose gradients held NaN or +-Inf on the
+        most recent skipped step, on any replica or worker, in the order the
+        optimizer was built with; `[]` before the first skipped step."""
+        if self._last_nonfinite is None:
+            return []
+        flags = self._last_nonfinite.numpy()
+        return [variable.name for variable, flag
+                in zip(self._built_for, flags) if flag]
+
+    # Applying.
+
+    def apply_gradients(self, grads_and_vars, name=None, **kwargs):
+        """Applies the gradients unless the step's are not all finite.
+
+        Gradients are unscaled (TF 2.x protocol: `get_unscaled_gradients`,
+        as `fit` and `minimize` do), or scaled after `scale_loss`. Must be
+        called in a replica context. `kwargs` (`skip_gradients_aggregation`,
+        `experimental_aggregate_gradients`) go to the inner optimizer.
+        """
+        self.check_unscaled()
+        optimizer_protocol.check_replica_context()
+        distribution.check_supported()
+        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+        if not pairs:
+            raise ValueError("No gradients provided for any variable")
+        grads, variables = (list(part) for part in zip(*pairs))
+        self._build(variables)
+        if not self._caller_unscales:
+            grads = loss_scaled_step.unscale_for_apply(
+                grads, variables, self._loss_scale())
+
+        def apply_fn(grads, variables):
+            return self._optimizer.apply_gradients(
+                list(zip(grads, variables)), name=name, **kwargs)
+
+        step = loss_scaled_step.apply_or_skip(
+            self._loss_scale, grads, variables, apply_fn, self._skip_record())
+        return self.iterations if step is None else step
+
+    def _skip_record(self):
+        positions = {_key(v): i for i, v in enumerate(self._built_for)}
+        return loss_scaled_step.SkipRecord(
+            self._skipped_steps, self._last_nonfinite,
+            lambda variables: [positions[_key(v)] for v in variables])
+
+    # Configs.
+
+    def get_config(self):
+        return optimizer_protocol.wrapper_config(
+            self, tf_keras.optimizers.serialize(self._optimizer))
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """Creates the wrapper from its config or tf-keras' wrapper's."""
+        inner_config, kwargs = legacy_configs.split_inner_optimizer(config)
+        inner = inner_config
+        if not isinstance(inner, (_NEW_BASE, _LEGACY_BASE)):
+            inner = tf_keras.optimizers.deserialize(
+                inner_config, custom_objects=custom_objects,
+                use_legacy_optimizer=cls._INNER_BASE is _LEGACY_BASE)
+        return wrap(inner, **kwargs)
+
+
+@tf_keras.saving.register_keras_serializable(package="tf_lossscale",
+                                             name="LossScaleOptimizer")
+class LossScaleOptimizer(_TfKerasWrapper, tf_keras_lso.LossScaleOptimizerV3):
+    """Wraps a `tf_keras.optimizers.Optimizer`; see the module docstring."""
+
+    _INNER_BASE = _NEW_BASE
+
+    # Keras' automatic tracking would reach the inner optimizer before the
+    # constructor has attached it.
+    @tf.__internal__.tracking.no_automatic_dependency_tracking
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+
+    def _build_inner(self, var_list):
+        with tf.init_scope():
+            self._optimizer.build(var_list)
+
+    def _inner_variables(self):
+        return self._optimizer.variables
+
+    def build(self, var_list):
+        self._build(var_list)
+
+    @property
+    def variables(self):
+        """See `_all_variables`."""
+        return self._all_variables()
+
+
+@tf_keras.saving.register_keras_serializable(
+    package="tf_lossscale", name="LegacyLossScaleOptimizer")
+class LegacyLossScaleOptimizer(_TfKerasWrapper,
+                               tf_keras_lso.LossScaleOptimizer):
+    """Wraps a `tf_keras.optimizers.legacy.Optimizer` (OptimizerV2); see the
+    module docstring."""
+
+    _INNER_BASE = _LEGACY_BASE
+
+    def _build_inner(self, var_list):
+        with tf.init_scope():
+            self._optimizer._create_all_weights(var_list)  # pylint: disable=protected-access
+
+    def _inner_variables(self):
+        return self._optimizer.variables()
+
+    def _create_all_weights(self, var_list):
+        self._build(var_list)
+
+    def variables(self):
+        """See `_all_variables`."""
+        return self._all_variables()
+
+    @property
+    def weights(self):
+        return self._all_variables()
