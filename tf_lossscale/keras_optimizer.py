@@ -149,6 +149,9 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
         return optimizer_saving.listed_variables(self)
 
     def build(self, var_list):
+        # A checkpoint restored before now left the inner optimizer's slots
+        # pending on the wrapper: they must wait on the inner optimizer.
+        optimizer_saving.hand_pending_restores_to_inner(self)
         self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
         with keras.name_scope(self.name):

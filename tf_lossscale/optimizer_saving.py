@@ -14,14 +14,26 @@ versions wrote.
   absent from older files, which leave it at its initial value.
 
 That is exactly 0.1.0's layout plus named keys, so every file written since
-0.1.0 loads, whatever `optimizer.variables` lists.
+0.1.0 loads, whatever `optimizer.variables` lists. A plain optimizer's store
+(only ``"0"``, ``"1"``, ...: exactly the inner optimizer's variables) loads
+into the inner optimizer: `model.load_weights("plain.keras")` into a model
+compiled with the wrapper and built carries the plain optimizer's state over.
+The other way, a plain optimizer given a wrapper's store warns that it skips
+it (Keras' own check: the counts differ); take `model.optimizer.
+inner_optimizer` of the loaded wrapped model instead. A new optimizer passed
+to `model.compile` after `load_model` starts afresh, as in Keras: wrap the
+loaded one, `LossScaleOptimizer(model.optimizer)`, to keep its state.
 
 `tf.train.Checkpoint`: the wrapper's checkpoint dependencies are those of a
-plain Keras optimizer (`_iterations`, `_learning_rate` and its named slot lists
-such as `_momentums`) pointing at the inner optimizer's state, plus
-`inner_optimizer`, `loss_scale` (where tf-keras kept it) and `skipped_steps`.
-State added since 0.1.0 is not a checkpoint dependency, so every older
-checkpoint still passes `assert_consumed()`. So:
+plain Keras optimizer pointing at the inner optimizer's state: `_iterations`,
+`_learning_rate`, its named slot lists such as `_momentums` and `_variables`
+(listed last, so that a variable another plain name reaches keeps its key;
+Adafactor's slots, which no other name reaches, are keyed `_variables/<i>`
+as in a plain optimizer's checkpoint); plus `inner_optimizer`, `loss_scale`
+(where tf-keras kept it) and `skipped_steps`. State added since
+0.1.0 is not a checkpoint dependency, so every older checkpoint still passes
+`assert_consumed()`. So, whether the restore comes before or after the
+optimizer is built (Keras builds it at the first step):
 
 * a checkpoint of a plain optimizer restores into a wrapper around the same
   optimizer class (iterations and slots carry over; the scale starts at its
@@ -38,12 +50,31 @@ checkpoint still passes `assert_consumed()`. So:
   `_Alias` ignores those placeholders (Keras 3's wrapper writes the same
   placeholders).
 
-The plain optimizer's `_variables` list is not aliased: in wrapper
-checkpoints (0.1.0's, Keras 3's) that name holds the wrapper's own variables,
-and the slots are reachable through the named slot lists anyway.
+Restoring before the optimizer is built is where the plain names need care.
+TF keeps a checkpoint entry it cannot match yet pending on the object whose
+child it is, and hands it over when that object tracks a dependency of that
+name. The plain names are children of the wrapper, but the inner optimizer
+creates the state behind them. So:
+
+* `_variables` is every variable of a plain optimizer in order: the only
+  name under which Adafactor's slots are saved, and the one that survives
+  SGD and RMSprop replacing their momentum lists while building.
+  `_PlainVariables` saves the inner optimizer's list under it and, when
+  restoring, hands a plain optimizer's entries to the inner optimizer's list
+  (now, or when it creates them). A wrapper checkpoint's `_variables` holds
+  that wrapper's own variables (0.1.0's placeholders and `skipped_steps`,
+  Keras 3's scale and counter) and is ignored: its inner state comes through
+  `inner_optimizer/`.
+* Entries still pending on the wrapper when it is built (the named slot
+  lists, state a custom optimizer keeps outside its `variables`) are passed
+  to the inner optimizer before it builds
+  (`hand_pending_restores_to_inner`), whose own tracking then restores them.
 """
 
+import functools
+import types
 import warnings
+import weakref
 
 import tensorflow as tf
 
@@ -55,6 +86,11 @@ LATER_STATE_KEYS = {"_last_nonfinite": "last_nonfinite"}
 _PLACEHOLDER_VALUES = {"_iterations": 0, "_learning_rate": 0.0}
 
 _LOSS_SCALE_KEY = "loss_scale.{}"
+
+# The wrapper's own checkpoint dependencies (and later state, should it ever
+# be saved): restorations pending under these names stay with the wrapper.
+_WRAPPER_NAMES = ("inner_optimizer", "loss_scale", "_skipped_steps",
+                  *LATER_STATE_KEYS)
 
 
 def _later_state(optimizer):
@@ -87,21 +123,57 @@ def save_own_variables(optimizer, store):
         store[key] = variable.numpy()
 
 
-def load_own_variables(optimizer, store):
-    """Restores what `save_own_variables` (of any version) wrote.
+def _is_plain_store(optimizer, store):
+    """Whether `store` is what a plain optimizer like the inner one saved:
+    only indexed keys, as many as the inner optimizer has variables (a
+    wrapper's store has three more and loss-scale keys)."""
+    keys = list(store.keys())
+    return all(key.isdigit() for key in keys) and len(keys) == len(
+        optimizer.inner_optimizer.variables)
 
-    Like Keras, an optimizer whose variable count differs from the file's
+
+def _expect_empty_inner_store(inner):
+    """Lets the inner optimizer's next load pass an empty store silently.
+
+    Keras loads the inner optimizer next, from its own entry under the
+    wrapper's, which a plain optimizer's file does not have; its warning
+    ("Skipping variable loading ... the saved optimizer has 0 variables")
+    would report as lost the state just loaded. One call only: the hook
+    removes itself, and a store with variables loads as usual.
+    """
+    def load_own_variables(store):
+        del inner.__dict__["load_own_variables"]
+        if list(store.keys()):
+            inner.load_own_variables(store)
+
+    # Past Keras' attribute tracking: a function is no optimizer state.
+    inner.__dict__["load_own_variables"] = load_own_variables
+
+
+def load_own_variables(optimizer, store):
+    """Restores what `save_own_variables` (of any version) wrote, or a plain
+    optimizer's store into the inner optimizer (the scale keeps its initial
+    value, as with a plain checkpoint).
+
+    Like Keras, an optimizer whose variable count matches neither layout
     (typically: not built yet) is left untouched with a warning, the loss
     scale included: a restored scale with fresh counters and slots would be
     a state no training run ever had.
     """
+    if _is_plain_store(optimizer, store):
+        for index, variable in enumerate(optimizer.inner_optimizer.variables):
+            variable.assign(store[str(index)])
+        _expect_empty_inner_store(optimizer.inner_optimizer)
+        return
     indexed = _indexed_variables(optimizer)
     stored_indices = [key for key in store.keys() if key.isdigit()]
     if len(stored_indices) != len(indexed):
         warnings.warn(
             f"Skipping variable loading for optimizer '{optimizer.name}', "
             f"because it has {len(indexed)} variables whereas the saved "
-            f"optimizer has {len(stored_indices)} variables. This is likely "
+            f"optimizer has {len(stored_indices)} variables (a plain "
+            "optimizer's would have "
+            f"{len(optimizer.inner_optimizer.variables)}). This is likely "
             "because the optimizer has not been built yet: call "
             "optimizer.build(model.trainable_variables) before loading.",
             stacklevel=3)
@@ -163,6 +235,127 @@ def _alias(optimizer, name, variable):
     return alias
 
 
+def _plain_entries(optimizer):
+    """The inner optimizer's variables as a plain optimizer lists them in
+    `_variables`, its iterations and learning rate by their aliases (a plain
+    optimizer's `_variables/0` is its `_iterations`)."""
+    inner = optimizer.inner_optimizer
+    entries = []
+    for variable in inner._variables:  # pylint: disable=protected-access
+        for name in _PLACEHOLDER_VALUES:
+            if variable is getattr(inner, name):
+                variable = _alias(optimizer, name, variable)
+                break
+        entries.append(variable)
+    return entries
+
+
+def _written_by_plain_optimizer(coordinator, optimizer):
+    """Whether the checkpoint object restored into `optimizer` is a plain
+    optimizer's: every wrapper (0.1.0, Keras 3, this one) has an
+    `inner_optimizer`."""
+    for node_id, bound in list(coordinator.object_by_proto_id.items()):
+        if bound is optimizer:
+            node = coordinator.object_graph_proto.nodes[node_id]
+            return all(child.local_name != "inner_optimizer"
+                       for child in node.children)
+    return False
+
+
+class _Handover(dict):
+    """`_PlainVariables._deferred_dependencies`: TF files each unmatched
+    checkpoint entry with `setdefault(name, []).append(position)`; each goes
+    to `receive` as it is filed, nothing is kept."""
+
+    def __init__(self, receive):
+        super().__init__()
+        self._receive = receive
+
+    def setdefault(self, key, default=None):
+        del default
+        return types.SimpleNamespace(
+            append=functools.partial(self._receive, key))
+
+
+class _PlainVariables(tf.__internal__.tracking.Trackable):
+    """The wrapper's `_variables` in checkpoints (see the module docstring).
+
+    Saving, its entries are the inner optimizer's variables (`_plain_entries`).
+    Restoring, it matches none of them by name, so TF files every entry the
+    checkpoint has under `_variables` and no other name has matched yet with
+    `_deferred_dependencies`, and `_receive` decides where it goes: a plain
+    optimizer's entry to the same index of the inner optimizer's own list,
+    which restores it now if it exists and when Keras appends it otherwise.
+    """
+
+    def __init__(self, optimizer):
+        self._optimizer = weakref.ref(optimizer)
+        self._verdict = (None, False)  # (restore uid, written by plain)
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        del save_type, kwargs
+        optimizer = self._optimizer()
+        if optimizer is None:
+            return {}
+        return {str(index): entry
+                for index, entry in enumerate(_plain_entries(optimizer))}
+
+    def _lookup_dependency(self, name, cached_dependencies=None):
+        del name, cached_dependencies
+        return None
+
+    @property
+    def _deferred_dependencies(self):
+        return _Handover(self._receive)
+
+    def _receive(self, name, position):
+        optimizer = self._optimizer()
+        if optimizer is None or not self._from_plain_optimizer(
+                optimizer, position.checkpoint):
+            return
+        entries = optimizer.inner_optimizer._variables  # pylint: disable=protected-access
+        entries._deferred_dependencies.setdefault(name, []).append(position)  # pylint: disable=protected-access
+        if name.isdigit() and int(name) < len(entries):
+            entries._handle_deferred_dependencies(name, entries[int(name)])  # pylint: disable=protected-access
+
+    def _from_plain_optimizer(self, optimizer, coordinator):
+        # Decided once per restore: a large model files many entries.
+        uid, verdict = self._verdict
+        if uid != coordinator.restore_uid:
+            verdict = _written_by_plain_optimizer(coordinator, optimizer)
+            self._verdict = (coordinator.restore_uid, verdict)
+        return verdict
+
+
+def _plain_variables(optimizer):
+    """The optimizer's one `_PlainVariables`, cached like `_alias`."""
+    proxy = optimizer.__dict__.get("_checkpoint_plain_variables")
+    if proxy is None:
+        proxy = optimizer.__dict__["_checkpoint_plain_variables"] = (
+            _PlainVariables(optimizer))
+    return proxy
+
+
+def hand_pending_restores_to_inner(optimizer):
+    """Passes restorations pending on the wrapper to the inner optimizer.
+
+    Called by `build` before the inner optimizer is built. A checkpoint
+    restored earlier left its entries for the inner optimizer's slot lists
+    (`_momentums`, ...) pending under those names on the wrapper, where TF
+    would hand them only to a dependency the wrapper itself creates. The inner
+    optimizer creates them: its own tracking restores them once they wait
+    there (at once for a dependency it already has).
+    """
+    pending = optimizer._deferred_dependencies  # pylint: disable=protected-access
+    inner = optimizer.inner_optimizer
+    for name in [name for name in pending if name not in _WRAPPER_NAMES]:
+        inner._deferred_dependencies.setdefault(name, []).extend(  # pylint: disable=protected-access
+            pending.pop(name))
+        existing = inner._lookup_dependency(name)  # pylint: disable=protected-access
+        if existing is not None:
+            inner._handle_deferred_dependencies(name, existing)  # pylint: disable=protected-access
+
+
 def checkpoint_children(optimizer, own_children, save_type, **kwargs):
     """The wrapper's checkpoint dependencies (see the module docstring).
 
@@ -179,6 +372,8 @@ def checkpoint_children(optimizer, own_children, save_type, **kwargs):
         return own_children
     inner = optimizer.inner_optimizer
     children = dict(inner._trackable_children(save_type, **kwargs))  # pylint: disable=protected-access
+    # Re-added last, below: listed first it would be the first path to the
+    # slots and move their checkpoint keys.
     children.pop("_variables", None)
     for name in _PLACEHOLDER_VALUES:
         # A learning-rate schedule is not a variable and is not saved.
@@ -192,5 +387,5 @@ def checkpoint_children(optimizer, own_children, save_type, **kwargs):
     # Later state (LATER_STATE_KEYS) is left out: a dependency that older
     # checkpoints lack would fail their `assert_consumed()`.
     children["_skipped_steps"] = own_children["_skipped_steps"]
+    children["_variables"] = _plain_variables(optimizer)
     return children
-
