@@ -26,10 +26,10 @@ from fixtures import make_fixtures
 pytestmark = pytest.mark.usefixtures("keras_isolation")
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
-# v0_1: written by the 0.1.0 release. main_2f3d353: written by main at
-# commit 2f3d353, whose checkpoints hold the inner optimizer's state under the
-# plain names too, before the wrapper's `_variables` was added to them.
-VERSIONS = ("v0_1", "main_2f3d353")
+# v0_1: written by the 0.1.0 release. v0_2: written by the 0.2.0 release
+# (commit 2f3d353), whose checkpoints hold the inner optimizer's state under
+# the plain names too, before 0.3.0 added the wrapper's `_variables` to them.
+VERSIONS = ("v0_1", "v0_2")
 
 
 def _expected(version):
