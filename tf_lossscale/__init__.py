@@ -8,7 +8,9 @@ Public API:
 * `LossScaleOptimizer`: the Keras optimizer wrapper that uses them;
 * `LossScaleMonitor`: a Keras callback that puts the current loss scale and
   the count of skipped steps into the logs of `fit` (progress bar, History,
-  CSVLogger, TensorBoard).
+  CSVLogger, TensorBoard);
+* `XlaChecks`, `with_xla_checks`: the host-side checks an XLA-compiled step
+  needs (`fit`'s callbacks; a custom step).
 """
 
 from tf_lossscale.keras_optimizer import LossScaleOptimizer
@@ -16,9 +18,11 @@ from tf_lossscale.loss_scale import DynamicLossScale
 from tf_lossscale.loss_scale import FixedLossScale
 from tf_lossscale.loss_scale import LossScale
 from tf_lossscale.monitor import LossScaleMonitor
+from tf_lossscale.monitor import XlaChecks
 from tf_lossscale.serialization import deserialize
 from tf_lossscale.serialization import get
 from tf_lossscale.serialization import serialize
+from tf_lossscale.xla_checks import with_xla_checks
 
 __version__ = "0.1.0"
 
@@ -28,7 +32,9 @@ __all__ = [
     "LossScale",
     "LossScaleMonitor",
     "LossScaleOptimizer",
+    "XlaChecks",
     "deserialize",
     "get",
     "serialize",
+    "with_xla_checks",
 ]
