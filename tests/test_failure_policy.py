@@ -386,6 +386,50 @@ def test_fit_under_xla_without_host_checks_fails_before_any_step(callbacks):
     assert float(loss_scale()) == 8.0
 
 
+@pytest.mark.usefixtures("keras_isolation")
+def test_custom_xla_step_of_two_steps_raises_after_the_call_unchanged():
+    # A custom loop's XLA function running two optimizer steps per call:
+    # NaN at the floor, then a finite batch the failure keeps from applying.
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras_models.tiny_model()
+    loss_scale = tf_lossscale.DynamicLossScale(
+        initial_loss_scale=1, on_min_loss_scale="raise")
+    optimizer = tf_lossscale.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), loss_scale=loss_scale)
+    optimizer.build(model.trainable_variables)
+
+    def one_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(
+                tf.cast(model(x), tf.float32) - y))
+            scaled = optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    def two_steps(x_first, x_second, y):
+        one_step(x_first, y)
+        one_step(x_second, y)
+
+    x, y = _data()
+    x_nan = x.copy()
+    x_nan[0, 0] = _NAN
+    compiled = tf.function(two_steps, jit_compile=True)
+    with pytest.raises(RuntimeError, match="with_xla_checks"):
+        compiled(x, x, y)
+    weights = [w.numpy() for w in model.weights]
+
+    checked = tf_lossscale.with_xla_checks(compiled, optimizer)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"min_loss_scale=1\.0.*gradients: 1\b"):
+        checked(x_nan, x, y)
+    for weight, before in zip(model.weights, weights):
+        np.testing.assert_array_equal(weight.numpy(), before)
+    assert int(optimizer.iterations.numpy()) == 0
+    # The record was cleared: training goes on, as without XLA.
+    checked(x, x, y)
+    assert int(optimizer.iterations.numpy()) == 2
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(), dict(on_min_loss_scale="warn"), dict(on_min_loss_scale="raise"),
     dict(max_consecutive_skips=3)],
