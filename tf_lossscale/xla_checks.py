@@ -101,6 +101,11 @@ def _bits(scale):
     return tf.cast(tf.bitcast(scale, tf.int32), tf.int64)
 
 
+def _values(scale, skips, good_steps):
+    return tf.stack([_bits(scale), tf.cast(skips, tf.int64),
+                     tf.cast(good_steps, tf.int64)])
+
+
 def _from_bits(bits):
     return np.array(bits).astype(np.int32).view(np.float32)
 
@@ -158,29 +163,21 @@ class StepEvents:
         return tf.group(assignments + [written]), should_apply
 
     def _next_record(self, record, state, new_state, proceed, at_floor):
+        """The record after this step (int64 vector)."""
         skips = new_state.consecutive_skips
-        if skips is None:
+        if skips is None:  # Only "continue" without a limit lacks C.
             skips = tf.zeros([], tf.int64)
-        code = tf.where(
-            tf.logical_and(tf.equal(record[_CODE], _NONE),
-                           tf.logical_not(proceed)),
-            tf.constant(_INVALID, tf.int64), record[_CODE])
-        if self._limit is not None:
-            code = tf.where(tf.logical_and(proceed, skips >= self._limit),
-                            tf.constant(_TOO_MANY_SKIPS, tf.int64), code)
-        if self._policy == "raise":  # Before the limit, as without XLA.
-            code = tf.where(at_floor, tf.constant(_AT_FLOOR, tf.int64), code)
-        failed_now = tf.logical_and(tf.not_equal(code, record[_CODE]),
-                                    tf.not_equal(code, _INVALID))
-        refused_now = tf.logical_and(tf.equal(code, _INVALID),
-                                     tf.equal(record[_CODE], _NONE))
+        code = self._failure_code(record[_CODE], proceed, at_floor, skips)
+        # A new failure keeps the values after the step; a refusal the bad
+        # state; an earlier failure its own values.
+        refused_now = tf.logical_and(tf.equal(record[_CODE], _NONE),
+                                     tf.logical_not(proceed))
+        failed_now = tf.logical_and(proceed, tf.not_equal(code, _NONE))
         values = tf.where(
-            refused_now,
-            tf.stack([_bits(state.scale), tf.zeros([], tf.int64),
-                      tf.cast(state.good_steps, tf.int64)]),
+            refused_now, _values(state.scale, tf.zeros([], tf.int64),
+                                 state.good_steps),
             tf.where(failed_now,
-                     tf.stack([_bits(new_state.scale), skips,
-                               tf.cast(new_state.good_steps, tf.int64)]),
+                     _values(new_state.scale, skips, new_state.good_steps),
                      record[_SCALE:_GOOD + 1]))
         warns = at_floor if self._policy == "warn" else tf.constant(False)
         warning = tf.where(
@@ -188,6 +185,18 @@ class StepEvents:
             tf.stack([record[_WARNINGS] + 1, _bits(new_state.scale), skips]),
             record[_WARNINGS:])
         return tf.concat([code[None], values, warning], axis=0)
+
+    def _failure_code(self, code, proceed, at_floor, skips):
+        """The failure code after this step; an earlier one stays."""
+        code = tf.where(tf.logical_and(tf.equal(code, _NONE),
+                                       tf.logical_not(proceed)),
+                        tf.constant(_INVALID, tf.int64), code)
+        if self._limit is not None:
+            code = tf.where(tf.logical_and(proceed, skips >= self._limit),
+                            tf.constant(_TOO_MANY_SKIPS, tf.int64), code)
+        if self._policy == "raise":  # Wins over the limit, as without XLA.
+            code = tf.where(at_floor, tf.constant(_AT_FLOOR, tf.int64), code)
+        return code
 
     def halted(self):
         """Whether the step just updated must neither apply nor be recorded
