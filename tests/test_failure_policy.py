@@ -387,6 +387,45 @@ def test_fit_under_xla_without_host_checks_fails_before_any_step(callbacks):
 
 
 @pytest.mark.usefixtures("keras_isolation")
+@pytest.mark.parametrize("host", ["XlaChecks", "LossScaleMonitor"])
+def test_fit_under_xla_raises_with_either_callback(host):
+    loss_scale = tf_lossscale.DynamicLossScale(max_consecutive_skips=2)
+    model, optimizer = _compiled(loss_scale, _FIT_MODES["xla"])
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"in a row for non-finite gradients: 2\b"):
+        model.fit(*_nan_data(4), batch_size=_BATCH_SIZE, shuffle=False,
+                  verbose=0, callbacks=[getattr(tf_lossscale, host)()])
+    assert _state(loss_scale)["consecutive_skips"] == 2
+    assert int(optimizer.skipped_steps) == 1
+
+
+@pytest.mark.usefixtures("keras_isolation")
+def test_failure_in_an_unwatched_fit_surfaces_at_the_next_watched_fit():
+    # The first fit compiled the step with the callback; a second fit
+    # without it reuses that step: its failure is held (nothing changes)
+    # until the next fit with the callback raises it before its first step.
+    loss_scale = tf_lossscale.DynamicLossScale(
+        initial_loss_scale=1, on_min_loss_scale="raise")
+    model, optimizer = _compiled(loss_scale, _FIT_MODES["xla"])
+    x, y = _data()
+    _fit(model, x, y)
+    weights = [w.numpy() for w in model.weights]
+    x_nan = np.concatenate([x, x])
+    x_nan[0, 0] = _NAN
+    model.fit(x_nan, np.concatenate([y, y]), batch_size=_BATCH_SIZE,
+              shuffle=False, verbose=0)
+    # The finite batch after the failure was refused.
+    for weight, before in zip(model.weights, weights):
+        np.testing.assert_array_equal(weight.numpy(), before)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"min_loss_scale=1\.0"):
+        _fit(model, x, y)
+    assert int(optimizer.iterations.numpy()) == 1
+    _fit(model, x, y)  # The record was cleared.
+    assert int(optimizer.iterations.numpy()) == 2
+
+
+@pytest.mark.usefixtures("keras_isolation")
 def test_custom_xla_step_of_two_steps_raises_after_the_call_unchanged():
     # A custom loop's XLA function running two optimizer steps per call:
     # NaN at the floor, then a finite batch the failure keeps from applying.
@@ -452,8 +491,12 @@ def test_unwatched_xla_step_fails_before_it_runs_naming_the_fix(kwargs):
 
 @pytest.mark.parametrize("kwargs", [
     dict(on_min_loss_scale="warn", max_consecutive_skips=2),
-    dict(on_min_loss_scale="raise", hysteresis=2, max_consecutive_skips=3)],
-                         ids=["warn_and_limit", "raise_and_limit"])
+    dict(on_min_loss_scale="raise", hysteresis=2, max_consecutive_skips=3),
+    dict(backoff_factor=0.25, min_loss_scale=2.0, max_loss_scale=2.0**20,
+         hysteresis=3, consecutive_hysteresis=True, on_min_loss_scale="warn",
+         max_consecutive_skips=5)],
+                         ids=["warn_and_limit", "raise_and_limit",
+                              "every_argument"])
 def test_no_argument_combination_fails_to_compile_under_xla(kwargs):
     loss_scale = tf_lossscale.DynamicLossScale(**kwargs)
     step = tf_lossscale.with_xla_checks(
