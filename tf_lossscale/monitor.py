@@ -100,6 +100,14 @@ class _Burst:
                 f"{self.scale_before!r} -> {self.scale_after!r}")
 
 
+def _reengaged(checks, optimizer):
+    """New `HostChecks` for `optimizer`, after closing `checks`: a fit that
+    failed outside the callbacks never called on_train_end."""
+    if checks is not None:
+        checks.close()
+    return xla_checks.HostChecks(optimizer)
+
+
 class XlaChecks(keras.callbacks.Callback):
     """Carries out, after each batch, what an XLA-compiled step cannot.
 
@@ -124,7 +132,7 @@ class XlaChecks(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         optimizer = getattr(self.model, "optimizer", None)
         _check_optimizer(optimizer)
-        self._checks = xla_checks.HostChecks(optimizer)
+        self._checks = _reengaged(self._checks, optimizer)
 
     def on_train_batch_end(self, batch, logs=None):
         self._checks.check()
@@ -171,7 +179,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         optimizer = getattr(self.model, "optimizer", None)
         _check_optimizer(optimizer)
         self._optimizer = optimizer
-        self._checks = xla_checks.HostChecks(optimizer)
+        self._checks = _reengaged(self._checks, optimizer)
         self._scale, self._skipped = self._read()
         self._step = 0
         self._epoch_first_step = 0
