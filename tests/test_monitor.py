@@ -211,11 +211,13 @@ def test_monitor_continues_from_the_saved_state_after_a_keras_reload(
                 int(reloaded.optimizer.skipped_steps))
 
 
+@pytest.mark.parametrize("callback", ["LossScaleMonitor", "XlaChecks"])
 @pytest.mark.parametrize("policy, expected", [
     ("float32", "keras.src.optimizers.sgd.SGD"),
     ("mixed_float16", "Keras wraps any other optimizer"),
 ])
-def test_other_optimizer_fails_at_train_begin_naming_it(policy, expected):
+def test_other_optimizer_fails_at_train_begin_naming_it(policy, expected,
+                                                        callback):
     keras.mixed_precision.set_global_policy(policy)
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
@@ -224,7 +226,7 @@ def test_other_optimizer_fails_at_train_begin_naming_it(policy, expected):
 
     with pytest.raises(TypeError, match="tf_lossscale.LossScaleOptimizer") as e:
         model.fit(x, y, batch_size=_BATCH_SIZE, epochs=1, verbose=0,
-                  callbacks=[tf_lossscale.LossScaleMonitor()])
+                  callbacks=[getattr(tf_lossscale, callback)()])
 
     assert expected in str(e.value)
     assert "SGD" in str(e.value)
