@@ -15,12 +15,14 @@ without XLA:
   scale's state, as without XLA, then raises InvalidArgumentError;
 * "warn": the same line on stderr.
 
-Once a step has failed (or was refused), every later step compiled in the
-same call changes nothing either, so the weights are those of the failing
-step when the error is raised; the only latency is that the error comes at
-the end of the call that held the failing step (at most `steps_per_execution`
-steps later). After the host acted the record is cleared, so training can be
-resumed, as without XLA.
+Once a step has failed (or was refused), every later step changes nothing
+either (no weight, slot, scale or counter) until the host has acted, so the
+weights are those of the failing step when the error is raised; the only
+latency is that the error comes at the end of the call that held the failing
+step (at most `steps_per_execution - 1` steps later, which do nothing).
+After the host acted the record is cleared, so training can be resumed, as
+without XLA. Several warnings in one call print one line, with the last
+one's values and how many there were.
 
 Host-side code must be engaged when the step is compiled, or the step fails
 before it ever runs, naming the fix: Keras' trainer offers an optimizer no
