@@ -459,12 +459,9 @@ class DynamicLossScale(LossScale):
         if policy != "continue" or skip_limit is not None:
             self._consecutive_skips = self._add_state_variable(
                 "consecutive_skips", 0, tf.int64)
-        # Not a state variable: never saved (see tf_lossscale.xla_checks).
-        # TF1 graphs get none: a Saver would save it, and they do not jit.
-        self._xla_events = None
-        if tf.compat.v1.executing_eagerly_outside_functions():
-            self._xla_events = xla_checks.StepEvents(floor, policy,
-                                                     skip_limit)
+        # Not state: never saved (see tf_lossscale.xla_checks).
+        self._xla_events = xla_checks.StepEvents(floor, policy, skip_limit,
+                                                 self._strategy)
 
     @property
     def initial_loss_scale(self):
@@ -538,7 +535,7 @@ class DynamicLossScale(LossScale):
                                          self._strategy)
         all_finite = tf.convert_to_tensor(all_finite)
         state = self._read_state()
-        if self._xla_events is not None and xla_checks.in_xla_context():
+        if xla_checks.in_xla_context():
             return self._xla_events.update(
                 state, all_finite, _state_is_valid(state),
                 lambda s, f: next_dynamic_state(s, f, self._rule),

@@ -117,18 +117,32 @@ class StepEvents:
 
     Args:
       floor, on_min_loss_scale, max_consecutive_skips: the loss scale's.
+      strategy: the strategy the loss scale's variables belong to, or None.
     """
 
-    def __init__(self, floor, on_min_loss_scale, max_consecutive_skips):
+    def __init__(self, floor, on_min_loss_scale, max_consecutive_skips,
+                 strategy=None):
         self._floor = floor
         self._policy = on_min_loss_scale
         self._limit = max_consecutive_skips
-        # Kept out of checkpoints and .keras files: it is cleared as soon as
-        # the host acts on it, so there is nothing to resume from.
-        self.record = tf.Variable(
-            tf.zeros([_SIZE], tf.int64), name="xla_step_events",
-            trainable=False, aggregation=tf.VariableAggregation.NONE)
+        self._strategy = strategy
+        # Created when host-side checks are first engaged, which an XLA step
+        # requires: runs that never engage them never hold it.
+        self.record = None
         self._engaged = 0
+
+    def _create_record(self):
+        # Kept out of checkpoints and .keras files: it is cleared as soon as
+        # the host acts on it, so there is nothing to resume from. Made
+        # eagerly (engaging happens on the host, before the step is traced:
+        # a tf.function may only create variables on its first call), beside
+        # the loss scale's own variables.
+        scope = (self._strategy.scope() if self._strategy is not None
+                 else contextlib.nullcontext())
+        with tf.init_scope(), scope:
+            self.record = tf.Variable(
+                tf.zeros([_SIZE], tf.int64), name="xla_step_events",
+                trainable=False, aggregation=tf.VariableAggregation.NONE)
 
     # Device side, traced into the XLA step.
 
@@ -210,6 +224,8 @@ class StepEvents:
     @contextlib.contextmanager
     def engaged(self):
         """Steps compiled inside this context will have the host act."""
+        if self.record is None:
+            self._create_record()
         self._engaged += 1
         try:
             yield
@@ -219,6 +235,8 @@ class StepEvents:
     def act(self):
         """Warns and raises for what the steps since the last call recorded,
         then clears the record; one small read when nothing happened."""
+        if self.record is None:
+            return
         record = self.record.numpy()
         if not record.any():
             return
