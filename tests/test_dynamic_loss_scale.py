@@ -88,6 +88,8 @@ def _tf_function_trace(config, steps, jit_compile=False):
         traced.append((update_op, should_apply))
         return should_apply
 
+    if jit_compile:  # The state check runs on the host after each call.
+        step = tf_lossscale.with_xla_checks(step, loss_scale)
     trace = []
     for finite in steps:
         should_apply = step(_last_gradient(finite))

@@ -29,25 +29,37 @@ def _float8_model():
     return model
 
 
-def _train(wrap, inputs, targets):
+def _train(wrap, inputs, targets, compile_args):
     model = _float8_model()
-    model.compile(optimizer=wrap(keras.optimizers.SGD(0.01)), loss="mse")
+    optimizer = wrap(keras.optimizers.SGD(0.01))
+    model.compile(optimizer=optimizer, loss="mse", **compile_args)
+    callbacks = ([tf_lossscale.XlaChecks()] if isinstance(
+        optimizer, tf_lossscale.LossScaleOptimizer) else [])
     model.fit(inputs, targets, batch_size=8, epochs=1, shuffle=False,
-              verbose=0)
+              verbose=0, callbacks=callbacks)
     return model
 
 
-def test_float8_variables_match_keras_loss_scale_optimizer():
+_COMPILE = {
+    "graph": {"jit_compile": False},
+    "xla": {"jit_compile": True},
+    "xla_2_steps_per_call": {"jit_compile": True, "steps_per_execution": 2},
+}
+
+
+@pytest.mark.parametrize("mode", _COMPILE)
+def test_float8_variables_match_keras_loss_scale_optimizer(mode):
     rng = np.random.default_rng(0)
     inputs = rng.normal(size=(8 * _STEPS, 8)).astype(np.float32)
     targets = rng.normal(size=(8 * _STEPS, 4)).astype(np.float32)
     # The same scale on every step for both: growth is far away.
     ours = _train(lambda inner: tf_lossscale.LossScaleOptimizer(
         inner, initial_scale=_SCALE, dynamic_growth_steps=1000),
-        inputs, targets)
+        inputs, targets, _COMPILE[mode])
+    # Keras' own wrapper, compiled the same way, in the same run.
     keras_own = _train(lambda inner: keras.optimizers.LossScaleOptimizer(
         inner, initial_scale=_SCALE, dynamic_growth_steps=1000),
-        inputs, targets)
+        inputs, targets, _COMPILE[mode])
 
     overwritten = [v for v in ours.trainable_variables
                    if getattr(v, "overwrite_with_gradient", False)]
@@ -66,7 +78,8 @@ def test_float8_variables_match_keras_loss_scale_optimizer():
     assert float(ours.optimizer.loss_scale()) == _SCALE
 
 
-def test_float8_gradients_count_in_the_finiteness_check():
+@pytest.mark.parametrize("mode", ["eager", "xla"])
+def test_float8_gradients_count_in_the_finiteness_check(mode):
     model = _float8_model()
     optimizer = tf_lossscale.LossScaleOptimizer(
         keras.optimizers.SGD(0.01), loss_scale=tf_lossscale.DynamicLossScale(
@@ -79,8 +92,14 @@ def test_float8_gradients_count_in_the_finiteness_check():
                    if v.name == "inputs_amax_history")
     grads[history] = tf.tensor_scatter_nd_update(
         grads[history], [[3]], [float("nan")])
-    optimizer.scale_loss(tf.constant(1.0))
-    optimizer.apply(grads, variables)
+    def step(grads):
+        optimizer.scale_loss(tf.constant(1.0))
+        optimizer.apply(grads, variables)
+
+    if mode == "xla":
+        step = tf_lossscale.with_xla_checks(
+            tf.function(step, jit_compile=True), optimizer)
+    step(grads)
     assert int(optimizer.skipped_steps) == 1
     for variable, value in zip(variables, before):
         np.testing.assert_array_equal(variable.numpy(), value)

@@ -41,8 +41,12 @@ def _sgd():
 
 
 def _fit_one_batch(model, x, y):
+    # Under XLA the loss scale's checks run on the host (XlaChecks); without
+    # XLA the callback does nothing.
+    callbacks = ([tf_lossscale.XlaChecks()]
+                 if isinstance(model.optimizer, LossScaleOptimizer) else [])
     model.fit(x, y, batch_size=_BATCH_SIZE, epochs=1, shuffle=False,
-              verbose=0)
+              verbose=0, callbacks=callbacks)
 
 
 def _values(variables):
@@ -79,7 +83,8 @@ def test_compile_under_mixed_float16_keeps_our_optimizer():
     {"run_eagerly": True},
     {},
     {"jit_compile": True},
-], ids=["eager", "tf_function", "jit_compile"])
+    {"jit_compile": True, "steps_per_execution": 2},
+], ids=["eager", "tf_function", "jit_compile", "jit_compile_2_steps_per_call"])
 def test_mixed_float16_fit_matches_float32_and_skips_non_finite_batch(
         compile_args):
     loss_scale_config = {"initial_loss_scale": 2.0**8,

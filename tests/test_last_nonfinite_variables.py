@@ -101,16 +101,22 @@ def test_indexed_slices_gradients_are_named():
     assert optimizer.last_nonfinite_variables() == [variables[0].path]
 
 
-def test_fit_records_the_variables_of_a_skipped_batch():
+@pytest.mark.parametrize("compile_args", [
+    {}, {"jit_compile": True}, {"jit_compile": True,
+                                "steps_per_execution": 2}],
+                         ids=["tf_function", "xla", "xla_2_steps_per_call"])
+def test_fit_records_the_variables_of_a_skipped_batch(compile_args):
     model = keras_models.tiny_model()
     optimizer = _optimizer()
-    model.compile(optimizer=optimizer, loss="mse")
+    model.compile(optimizer=optimizer, loss="mse", **compile_args)
     x = np.ones((8, 3), np.float32)
     y = np.ones((8, 1), np.float32)
-    model.fit(x, y, batch_size=4, verbose=0)
+    callbacks = [tf_lossscale.XlaChecks()]
+    model.fit(x, y, batch_size=4, verbose=0, callbacks=callbacks)
     assert optimizer.last_nonfinite_variables() == []
     x[5, 0] = _NAN  # Second batch: every gradient becomes NaN.
-    model.fit(x, y, batch_size=4, verbose=0, shuffle=False)
+    model.fit(x, y, batch_size=4, verbose=0, shuffle=False,
+              callbacks=callbacks)
     assert int(optimizer.skipped_steps) == 1
     assert optimizer.last_nonfinite_variables() == [
         v.path for v in model.trainable_variables]

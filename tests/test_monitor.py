@@ -39,7 +39,8 @@ def _data(steps=_STEPS_PER_EPOCH, nan_at_steps=()):
     return x, y
 
 
-def _compiled_model(steps_per_execution=1, initial_scale=_INITIAL_SCALE):
+def _compiled_model(steps_per_execution=1, initial_scale=_INITIAL_SCALE,
+                    jit_compile=False):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
         keras.Input((3,)),
@@ -51,7 +52,8 @@ def _compiled_model(steps_per_execution=1, initial_scale=_INITIAL_SCALE):
         loss_scale=tf_lossscale.DynamicLossScale(
             initial_scale, increment_period=10**6, multiplier=2.0))
     model.compile(optimizer=optimizer, loss="mse",
-                  steps_per_execution=steps_per_execution)
+                  steps_per_execution=steps_per_execution,
+                  jit_compile=jit_compile)
     return model
 
 
@@ -81,17 +83,28 @@ def _scale_matches_count(scale, skipped):
     return scale == _INITIAL_SCALE / 2**skipped
 
 
-@pytest.fixture(scope="module", params=["one_device", "mirrored_2_devices"])
+_FIT_RUNS = {
+    # name: (mirrored, steps_per_execution, jit_compile)
+    "one_device": (False, 1, False),
+    "mirrored_2_devices": (True, 4, False),
+    "xla": (False, 1, True),
+    "xla_4_steps_per_call": (False, 4, True),
+}
+
+
+@pytest.fixture(scope="module", params=_FIT_RUNS)
 def fit_run(request, tmp_path_factory):
     """One fit with the monitor, then History, CSVLogger, TensorBoard and a
-    batch-log recorder: on one device (steps_per_execution 1) and under
-    MirroredStrategy on 2 logical CPUs with steps_per_execution 4."""
-    mirrored = request.param == "mirrored_2_devices"
-    steps_per_execution = 4 if mirrored else 1
+    batch-log recorder: on one device (steps_per_execution 1), under
+    MirroredStrategy on 2 logical CPUs with steps_per_execution 4, and
+    under XLA on one device (XLA under Mirrored cannot run on logical CPUs)
+    with steps_per_execution 1 and 4. The monitor alone runs the checks an
+    XLA step leaves to the host."""
+    mirrored, steps_per_execution, jit_compile = _FIT_RUNS[request.param]
     strategy = strategies.mirrored(2) if mirrored else None
     tmp = tmp_path_factory.mktemp(request.param)
     with strategy.scope() if strategy else contextlib.nullcontext():
-        model = _compiled_model(steps_per_execution)
+        model = _compiled_model(steps_per_execution, jit_compile=jit_compile)
     batch_logs = _BatchLogs()
     x, y = _data()
     history = model.fit(
@@ -198,11 +211,13 @@ def test_monitor_continues_from_the_saved_state_after_a_keras_reload(
                 int(reloaded.optimizer.skipped_steps))
 
 
+@pytest.mark.parametrize("callback", ["LossScaleMonitor", "XlaChecks"])
 @pytest.mark.parametrize("policy, expected", [
     ("float32", "keras.src.optimizers.sgd.SGD"),
     ("mixed_float16", "Keras wraps any other optimizer"),
 ])
-def test_other_optimizer_fails_at_train_begin_naming_it(policy, expected):
+def test_other_optimizer_fails_at_train_begin_naming_it(policy, expected,
+                                                        callback):
     keras.mixed_precision.set_global_policy(policy)
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
@@ -211,7 +226,7 @@ def test_other_optimizer_fails_at_train_begin_naming_it(policy, expected):
 
     with pytest.raises(TypeError, match="tf_lossscale.LossScaleOptimizer") as e:
         model.fit(x, y, batch_size=_BATCH_SIZE, epochs=1, verbose=0,
-                  callbacks=[tf_lossscale.LossScaleMonitor()])
+                  callbacks=[getattr(tf_lossscale, callback)()])
 
     assert expected in str(e.value)
     assert "SGD" in str(e.value)

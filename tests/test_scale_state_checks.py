@@ -4,7 +4,8 @@ Without a check, a restored or assigned scale of NaN makes every later step
 skip forever, 0 silently resets to the floor and a negative scale trains with
 a negative multiplier. tf_lossscale refuses such a state at the first update:
 an InvalidArgumentError names the value, and no variable (the loss scale's,
-the weights, the optimizer's) changes.
+the weights, the optimizer's) changes. Under XLA the step is refused (nothing
+changes) and the host raises the same error after the call.
 """
 
 import os
@@ -50,12 +51,19 @@ def _reported_scale(message):
 def _update(mode, loss_scale, grads):
     if mode == "eager":
         return loss_scale.update(grads)
-    return tf.function(lambda: loss_scale.update(grads)[1])()
+    step = tf.function(lambda: loss_scale.update(grads)[1],
+                       jit_compile=mode == "xla")
+    if mode == "xla":
+        step = tf_lossscale.with_xla_checks(step, loss_scale)
+    return step()
+
+
+_MODES = ["eager", "tf_function", "xla"]
 
 
 @pytest.mark.parametrize("rule", _RULES)
 @pytest.mark.parametrize("bad", _BAD_SCALES)
-@pytest.mark.parametrize("mode", ["eager", "tf_function"])
+@pytest.mark.parametrize("mode", _MODES)
 def test_assigned_bad_scale_fails_the_next_update_naming_it(mode, bad, rule):
     loss_scale = tf_lossscale.DynamicLossScale(**_RULES[rule])
     loss_scale.update([tf.constant(1.0)])
@@ -69,7 +77,7 @@ def test_assigned_bad_scale_fails_the_next_update_naming_it(mode, bad, rule):
         _assert_unchanged(loss_scale.variables, before)
 
 
-@pytest.mark.parametrize("mode", ["eager", "tf_function"])
+@pytest.mark.parametrize("mode", _MODES)
 def test_negative_good_steps_fail_the_next_update_naming_them(mode):
     loss_scale = tf_lossscale.DynamicLossScale(initial_loss_scale=8)
     loss_scale.variables[1].assign(-3)
@@ -145,7 +153,7 @@ def test_valid_extremes_pass_the_check():
         assert bool(should_apply)
 
 
-@pytest.mark.parametrize("mode", ["eager", "tf_function"])
+@pytest.mark.parametrize("mode", _MODES)
 def test_checkpoint_with_nan_scale_fails_at_the_first_step_after_restore(
         mode, tmp_path):
     saved = tf_lossscale.DynamicLossScale(initial_loss_scale=8,
@@ -167,13 +175,21 @@ def test_checkpoint_with_nan_scale_fails_at_the_first_step_after_restore(
 # Keras: the step fails before any weight or slot moves.
 
 
-def _compiled_model(run_eagerly=False):
+_FIT_MODES = {
+    "eager": dict(run_eagerly=True),
+    "tf_function": dict(jit_compile=False),
+    "xla": dict(jit_compile=True),
+    "xla_2_steps_per_call": dict(jit_compile=True, steps_per_execution=2),
+}
+
+
+def _compiled_model(compile_args=None):
     model = keras_models.tiny_model()
     optimizer = tf_lossscale.LossScaleOptimizer(
         keras.optimizers.SGD(0.1, momentum=0.9),
         loss_scale=tf_lossscale.DynamicLossScale(initial_loss_scale=8,
                                                  hysteresis=2))
-    model.compile(optimizer, "mse", run_eagerly=run_eagerly)
+    model.compile(optimizer, "mse", **(compile_args or {}))
     return model, optimizer
 
 
@@ -183,8 +199,10 @@ def _data():
             rng.normal(size=(8, 1)).astype(np.float32))
 
 
-def _fit(model):
-    model.fit(*_data(), batch_size=8, epochs=1, shuffle=False, verbose=0)
+def _fit(model, batches=1):
+    x, y = (np.tile(a, (batches, 1)) for a in _data())
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+              callbacks=[tf_lossscale.XlaChecks()])
 
 
 def _all_state(model, optimizer):
@@ -194,25 +212,25 @@ def _all_state(model, optimizer):
 
 @pytest.mark.usefixtures("keras_isolation")
 @pytest.mark.parametrize("bad", ["nan", "negative", "zero"])
-@pytest.mark.parametrize("run_eagerly", [False, True],
-                         ids=["tf_function", "eager"])
-def test_fit_with_an_assigned_bad_scale_fails_and_changes_nothing(
-        run_eagerly, bad):
+@pytest.mark.parametrize("mode", _FIT_MODES)
+def test_fit_with_an_assigned_bad_scale_fails_and_changes_nothing(mode, bad):
     keras.mixed_precision.set_global_policy("mixed_float16")
-    model, optimizer = _compiled_model(run_eagerly)
+    model, optimizer = _compiled_model(_FIT_MODES[mode])
     _fit(model)
     optimizer.loss_scale.variables[0].assign(_BAD_SCALES[bad])
-    state = _all_state(model, optimizer)
+    state = _all_state(model, optimizer) + [optimizer.skipped_steps]
     before = _values(state)
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match="current_loss_scale"):
-        _fit(model)
+        _fit(model, batches=4)
     _assert_unchanged(state, before)
     assert int(optimizer.iterations.numpy()) == 1
 
 
 @pytest.mark.usefixtures("keras_isolation")
-def test_keras_file_holding_a_nan_scale_fails_at_the_first_step(tmp_path):
+@pytest.mark.parametrize("xla", [False, True], ids=["tf_function", "xla"])
+def test_keras_file_holding_a_nan_scale_fails_at_the_first_step(
+        tmp_path, xla):
     keras.mixed_precision.set_global_policy("mixed_float16")
     model, optimizer = _compiled_model()
     _fit(model)
@@ -221,6 +239,7 @@ def test_keras_file_holding_a_nan_scale_fails_at_the_first_step(tmp_path):
     model.save(path)
 
     loaded = keras.models.load_model(path)
+    loaded.compile(loaded.optimizer, "mse", jit_compile=xla)
     loaded_optimizer = loaded.optimizer
     assert np.isnan(loaded_optimizer.loss_scale().numpy())
     state = _all_state(loaded, loaded_optimizer)

@@ -11,7 +11,9 @@ Public API:
   `tf.compat.v1.train` optimizers (TF1 graphs and Sessions);
 * `LossScaleMonitor`: a Keras callback that puts the current loss scale and
   the count of skipped steps into the logs of `fit` (progress bar, History,
-  CSVLogger, TensorBoard).
+  CSVLogger, TensorBoard);
+* `XlaChecks`, `with_xla_checks`: the host-side checks an XLA-compiled step
+  needs (`fit`'s callbacks; a custom step).
 """
 
 from importlib import util as _importlib_util
@@ -24,9 +26,11 @@ from tf_lossscale.loss_scale import DynamicLossScale
 from tf_lossscale.loss_scale import FixedLossScale
 from tf_lossscale.loss_scale import LossScale
 from tf_lossscale.monitor import LossScaleMonitor
+from tf_lossscale.monitor import XlaChecks
 from tf_lossscale.serialization import deserialize
 from tf_lossscale.serialization import get
 from tf_lossscale.serialization import serialize
+from tf_lossscale.xla_checks import with_xla_checks
 
 # With `tf.keras` being tf-keras, its users load saved models in processes
 # that have wrapped no optimizer yet: register the tf-keras wrappers now.
@@ -43,8 +47,10 @@ __all__ = [
     "LossScale",
     "LossScaleMonitor",
     "LossScaleOptimizer",
+    "XlaChecks",
     "compat",
     "deserialize",
     "get",
     "serialize",
+    "with_xla_checks",
 ]

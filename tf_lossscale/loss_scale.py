@@ -85,10 +85,10 @@ same three keys, so checkpoints and configs move freely between them. The
 extra variables are `hysteresis_remaining` and `consecutive_skips`; non-default
 arguments appear in `get_config()`.
 
-Under XLA (`jit_compile=True`) the state check compiles but does nothing, as
-XLA drops assertion ops; "warn", "raise" and `max_consecutive_skips` format
-their messages with ops XLA cannot compile, so a `jit_compile` step using them
-is refused when it is compiled. Use those features without `jit_compile`.
+Under XLA (`jit_compile=True`), where a step can neither fail nor print, the
+step records what the state check and the policy ask for and host-side code
+acts on it after each call, with the same errors and warnings: see
+`tf_lossscale.xla_checks`.
 """
 
 import abc
@@ -100,9 +100,10 @@ import tensorflow as tf
 
 from tf_lossscale import distribution
 from tf_lossscale import validation
+from tf_lossscale import xla_checks
 
 POLICIES = ("continue", "warn", "raise")
-WARNING_PREFIX = "tf_lossscale WARNING:"
+WARNING_PREFIX = xla_checks.WARNING_PREFIX
 _FLOAT32_INF_BITS = 0x7F800000
 
 
@@ -423,6 +424,12 @@ class DynamicLossScale(LossScale):
         int: when this many steps in a row were non-finite, the step fails
         like "raise", naming the count and the scale.
 
+    Under XLA the state check, "warn", "raise" and `max_consecutive_skips`
+    are carried out by the host after each compiled call, which needs
+    `tf_lossscale.XlaChecks` (or `LossScaleMonitor`) in `fit` or
+    `tf_lossscale.with_xla_checks` around a custom step; see
+    `tf_lossscale.xla_checks`.
+
     Raises:
       TypeError: an argument is a bool where a number is expected, or of the
         wrong type.
@@ -482,6 +489,9 @@ class DynamicLossScale(LossScale):
         if policy != "continue" or skip_limit is not None:
             self._consecutive_skips = self._add_state_variable(
                 "consecutive_skips", 0, tf.int64)
+        # Not state: never saved (see tf_lossscale.xla_checks).
+        self._xla_events = xla_checks.StepEvents(floor, policy, skip_limit,
+                                                 self._strategy)
 
     @property
     def initial_loss_scale(self):
@@ -565,6 +575,11 @@ class DynamicLossScale(LossScale):
                                          self._strategy)
         all_finite = tf.convert_to_tensor(all_finite)
         state = self._read_state()
+        if xla_checks.in_xla_context():
+            return self._xla_events.update(
+                state, all_finite, _state_is_valid(state),
+                lambda s, f: next_dynamic_state(s, f, self._rule),
+                self._assign_state)
         state_check = self._check_state(state)
         with tf.control_dependencies(_ops(state_check)):
             new_state, at_floor = next_dynamic_state(
@@ -611,25 +626,14 @@ class DynamicLossScale(LossScale):
         scalar ops per step, and no formatting op, so XLA compiles it.
         """
         scale, good_steps = state.scale, state.good_steps
-        # On the bits: CPUs that flush subnormals to zero would call a valid
-        # subnormal scale "not > 0". Finite positive float32 values are
-        # exactly the bit patterns strictly between +0 and +inf.
-        bits = tf.bitcast(scale, tf.int32)
-        valid = tf.logical_and(
-            tf.logical_and(bits > 0, bits < _FLOAT32_INF_BITS),
-            good_steps >= 0)
-        problem = ("tf_lossscale: DynamicLossScale holds a state that cannot "
-                   "be right (restored from a checkpoint or assigned?): "
-                   "current_loss_scale must be finite and > 0 and good_steps "
-                   ">= 0; no variable was changed. Got")
+        valid = _state_is_valid(state)
         if tf.executing_eagerly():
             if not bool(valid):
                 raise _invalid_argument(
-                    f"{problem} current_loss_scale={float(scale)!r}, "
-                    f"good_steps={int(good_steps)}")
+                    xla_checks.invalid_state_message(scale, good_steps))
             return None
         return tf.debugging.Assert(
-            valid, [problem, "current_loss_scale =", scale,
+            valid, [xla_checks.INVALID_STATE, "current_loss_scale =", scale,
                     "good_steps =", good_steps])
 
     def _apply_failure_policy(self, new_state, at_floor):
@@ -637,30 +641,21 @@ class DynamicLossScale(LossScale):
         scale, skips = new_state.scale, new_state.consecutive_skips
         floor = self._rule.min_loss_scale
         ops = []
-        if self._on_min_loss_scale == "warn":
+        policy = self._on_min_loss_scale
+        if policy == "warn":
             ops += _ops(_warn_if(
-                at_floor,
-                f"{WARNING_PREFIX} a loss scale back-off was due but the "
-                f"scale is already at min_loss_scale={floor!r} (current "
-                "scale {}); steps skipped in a row for non-finite gradients: "
-                "{}", (scale, skips)))
-        elif self._on_min_loss_scale == "raise":
+                at_floor, xla_checks.floor_template(floor, policy),
+                (scale, skips)))
+        elif policy == "raise":
             ops += _ops(_fail_if(
-                at_floor,
-                "tf_lossscale: a loss scale back-off was due but the scale "
-                f"is already at min_loss_scale={floor!r} (current scale {{}}); "
-                "steps skipped in a row for non-finite gradients: {} "
-                "(on_min_loss_scale=raise). The gradients overflow even at "
-                "the smallest scale allowed: look for NaN/Inf in the data or "
-                "the model, or lower min_loss_scale.", (scale, skips)))
+                at_floor, xla_checks.floor_template(floor, policy),
+                (scale, skips)))
         limit = self._max_consecutive_skips
         if limit is not None:
             with tf.control_dependencies(ops):
                 ops += _ops(_fail_if(
-                    skips >= limit,
-                    "tf_lossscale: steps skipped in a row for non-finite "
-                    "gradients: {}, the limit set by max_consecutive_skips="
-                    f"{limit}; current loss scale {{}}.", (skips, scale)))
+                    skips >= limit, xla_checks.limit_template(limit),
+                    (skips, scale)))
         return ops
 
     def get_config(self):
@@ -693,6 +688,17 @@ class DynamicLossScale(LossScale):
                      f"good_steps={int(self.good_steps)!r}, ")
             return f"DynamicLossScale({state}{config})"
         return f"DynamicLossScale({config})"
+
+
+def _state_is_valid(state):
+    """A bool tensor: S finite and > 0, and G >= 0."""
+    # On the bits: CPUs that flush subnormals to zero would call a valid
+    # subnormal scale "not > 0". Finite positive float32 values are exactly
+    # the bit patterns strictly between +0 and +inf.
+    bits = tf.bitcast(state.scale, tf.int32)
+    return tf.logical_and(
+        tf.logical_and(bits > 0, bits < _FLOAT32_INF_BITS),
+        state.good_steps >= 0)
 
 
 def _ops(op):

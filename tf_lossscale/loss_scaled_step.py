@@ -19,6 +19,10 @@ all of them:
 gradients. Variables that take their gradient as their new value (Keras'
 float8 scales and amax histories, `overwrite_with_gradient`) get it as
 computed, as Keras' own wrapper does; they are still checked.
+
+Under XLA the loss scale's failures and warnings are acted on by the host
+after each call: `tf_lossscale.xla_checks` (`XlaChecks` in `fit`,
+`with_xla_checks` around a custom step).
 """
 
 import tensorflow as tf
@@ -26,6 +30,7 @@ import tensorflow as tf
 from tf_lossscale import distribution
 from tf_lossscale import gradient_checks
 from tf_lossscale import unscaling
+from tf_lossscale import xla_checks
 
 
 def takes_gradient_as_value(variable):
@@ -154,6 +159,14 @@ def _apply_or_skip_cross_replica(loss_scale, grads, variables, apply_fn,
         if skip_record is None:
             return _done([])
         return _done(skip_record.write(grads, variables))
+
+    # Under XLA a step that failed (or was refused) changes nothing more, as
+    # the error would have stopped it without XLA; the host raises after the
+    # call (tf_lossscale.xla_checks).
+    halted = xla_checks.halted(loss_scale)
+    if halted is not None:
+        record_skip = skip
+        skip = lambda: tf.cond(halted, lambda: _done([]), record_skip)  # pylint: disable=unnecessary-lambda-assignment
 
     if isinstance(should_apply, bool):
         step = apply_in_every_replica() if should_apply else skip()

@@ -16,8 +16,10 @@ Everything after the monitor sees them: the progress bar, `History.history`,
 `CSVLogger` columns, `keras.callbacks.TensorBoard` scalars (`batch_loss_scale`,
 `epoch_loss_scale`, ...). Callbacks listed before it do not.
 
-Cost: two scalar reads from the device per batch end, nothing in the train
-step itself. Under a `tf.distribute` strategy every replica holds the same
+Cost: three small reads from the device per batch end, nothing in the train
+step itself. It also carries out what an XLA-compiled step leaves to the
+host (`XlaChecks`), so with it no `XlaChecks` is needed. Under a
+`tf.distribute` strategy every replica holds the same
 values (all replicas take the same skip decision), so the first replica's are
 read.
 
@@ -44,6 +46,7 @@ import functools
 import keras
 
 from tf_lossscale import optimizer_protocol
+from tf_lossscale import xla_checks
 
 # Skips at most this many steps apart belong to one burst.
 BURST_GAP_STEPS = 10
@@ -106,6 +109,47 @@ class _Burst:
                 f"{self.scale_before!r} -> {self.scale_after!r}")
 
 
+def _reengaged(checks, optimizer):
+    """New `HostChecks` for `optimizer`, after closing `checks`: a fit that
+    failed outside the callbacks never called on_train_end."""
+    if checks is not None:
+        checks.close()
+    return xla_checks.HostChecks(optimizer)
+
+
+class XlaChecks(keras.callbacks.Callback):
+    """Carries out, after each batch, what an XLA-compiled step cannot.
+
+    Under XLA (`jit_compile`, Keras' default when a GPU is visible) a step can
+    neither fail nor print, so `DynamicLossScale`'s state check,
+    `on_min_loss_scale="raise"`/`"warn"` and `max_consecutive_skips` are
+    carried out on the host after each executed call (`steps_per_execution`
+    steps), with the same errors and warnings. `fit` under XLA with a
+    `DynamicLossScale` fails before its first step unless this callback or a
+    `LossScaleMonitor` (which does the same) is in `callbacks`. Without XLA it
+    costs one scalar read per batch and does nothing else.
+
+    Raises:
+      TypeError: at the start of training, the model's optimizer is not a
+        `tf_lossscale.LossScaleOptimizer`.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._checks = None
+
+    def on_train_begin(self, logs=None):
+        optimizer = getattr(self.model, "optimizer", None)
+        _check_optimizer(optimizer)
+        self._checks = _reengaged(self._checks, optimizer)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._checks.check()
+
+    def on_train_end(self, logs=None):
+        self._checks.close()
+
+
 class _Monitor:
     """The monitor, for either framework's Callback base (the next class in
     the MRO); see `LossScaleMonitor`."""
@@ -121,6 +165,7 @@ class _Monitor:
         self._step = 0
         self._epoch_first_step = 0
         self._burst = None
+        self._checks = None
 
     def _read(self):
         # One device read each, and nothing else: this runs after every batch.
@@ -131,6 +176,7 @@ class _Monitor:
         optimizer = getattr(self.model, "optimizer", None)
         _check_optimizer(optimizer)
         self._optimizer = optimizer
+        self._checks = _reengaged(self._checks, optimizer)
         self._scale, self._skipped = self._read()
         self._step = 0
         self._epoch_first_step = 0
@@ -140,6 +186,9 @@ class _Monitor:
         self._epoch_first_step = self._step
 
     def on_train_batch_end(self, batch, logs=None):
+        # Under XLA the step's failures and warnings come first, as they
+        # would without XLA (see XlaChecks).
+        self._checks.check()
         scale, skipped = self._read()
         if logs is not None:
             logs["loss_scale"] = scale
@@ -157,6 +206,7 @@ class _Monitor:
             logs["loss_scale"], logs["skipped_steps"] = self._read()
 
     def on_train_end(self, logs=None):
+        self._checks.close()
         self._end_burst()
 
     # Verbose mode.
