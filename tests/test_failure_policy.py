@@ -205,11 +205,9 @@ def _compiled(loss_scale, compile_args):
 
 
 def _fit(model, x, y):
-    # The XLA modes need the host-side checks; the others run without them.
-    callbacks = ([tf_lossscale.XlaChecks()] if model.jit_compile is True
-                 else [])
+    # No callback in any mode: under XLA, fit engages the host side itself.
     model.fit(x, y, batch_size=_BATCH_SIZE, epochs=1, shuffle=False,
-              verbose=0, callbacks=callbacks)
+              verbose=0)
 
 
 _FIT_MODES = {
@@ -373,17 +371,37 @@ def test_fit_raise_comes_before_the_weights_change_again(mode):
 @pytest.mark.usefixtures("keras_isolation")
 @pytest.mark.parametrize("callbacks", [[], [keras.callbacks.History()]],
                          ids=["none", "others"])
-def test_fit_under_xla_without_host_checks_fails_before_any_step(callbacks):
-    loss_scale = tf_lossscale.DynamicLossScale(initial_loss_scale=8)
+@pytest.mark.parametrize("batches", [1, 3])
+def test_fit_under_xla_carries_out_the_policy_without_a_callback(
+        callbacks, batches):
+    # The GPU default: no XlaChecks, no monitor. One batch is a fit of one
+    # call, the call that compiles the step.
+    loss_scale = tf_lossscale.DynamicLossScale(
+        initial_loss_scale=1, on_min_loss_scale="raise")
     model, optimizer = _compiled(loss_scale, _FIT_MODES["xla"])
     weights = [w.numpy() for w in model.weights]
-    with pytest.raises(RuntimeError, match=r"tf_lossscale\.XlaChecks\(\)"):
-        model.fit(*_data(), batch_size=_BATCH_SIZE, verbose=0,
+    x, y = _nan_data(batches)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"min_loss_scale=1\.0.*gradients: 1\b"):
+        model.fit(x, y, batch_size=_BATCH_SIZE, shuffle=False, verbose=0,
                   callbacks=callbacks)
     for weight, before in zip(model.weights, weights):
         np.testing.assert_array_equal(weight.numpy(), before)
     assert int(optimizer.iterations.numpy()) == 0
-    assert float(loss_scale()) == 8.0
+
+
+@pytest.mark.usefixtures("keras_isolation")
+def test_train_on_batch_under_xla_carries_out_the_limit_without_help():
+    loss_scale = tf_lossscale.DynamicLossScale(
+        initial_loss_scale=1, max_consecutive_skips=2)
+    model, optimizer = _compiled(loss_scale, _FIT_MODES["xla"])
+    x, y = _nan_data(1)
+    model.train_on_batch(x, y)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"in a row for non-finite gradients: 2\b"):
+        model.train_on_batch(x, y)
+    assert _state(loss_scale)["consecutive_skips"] == 2
+    assert int(optimizer.iterations.numpy()) == 0
 
 
 @pytest.mark.usefixtures("keras_isolation")
@@ -400,10 +418,9 @@ def test_fit_under_xla_raises_with_either_callback(host):
 
 
 @pytest.mark.usefixtures("keras_isolation")
-def test_failure_in_an_unwatched_fit_surfaces_at_the_next_watched_fit():
-    # The first fit compiled the step with the callback; a second fit
-    # without it reuses that step: its failure is held (nothing changes)
-    # until the next fit with the callback raises it before its first step.
+def test_later_fits_reusing_the_compiled_xla_step_still_raise():
+    # The first fit compiled the step; later fits reuse it without
+    # compiling again, and are still checked after every call.
     loss_scale = tf_lossscale.DynamicLossScale(
         initial_loss_scale=1, on_min_loss_scale="raise")
     model, optimizer = _compiled(loss_scale, _FIT_MODES["xla"])
@@ -412,16 +429,13 @@ def test_failure_in_an_unwatched_fit_surfaces_at_the_next_watched_fit():
     weights = [w.numpy() for w in model.weights]
     x_nan = np.concatenate([x, x])
     x_nan[0, 0] = _NAN
-    model.fit(x_nan, np.concatenate([y, y]), batch_size=_BATCH_SIZE,
-              shuffle=False, verbose=0)
-    # The finite batch after the failure was refused.
-    for weight, before in zip(model.weights, weights):
-        np.testing.assert_array_equal(weight.numpy(), before)
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=r"min_loss_scale=1\.0"):
-        _fit(model, x, y)
+        _fit(model, x_nan, np.concatenate([y, y]))
+    for weight, before in zip(model.weights, weights):
+        np.testing.assert_array_equal(weight.numpy(), before)
     assert int(optimizer.iterations.numpy()) == 1
-    _fit(model, x, y)  # The record was cleared.
+    _fit(model, x, y)  # The record was cleared: training resumes.
     assert int(optimizer.iterations.numpy()) == 2
 
 

@@ -124,10 +124,11 @@ class XlaChecks(keras.callbacks.Callback):
     neither fail nor print, so `DynamicLossScale`'s state check,
     `on_min_loss_scale="raise"`/`"warn"` and `max_consecutive_skips` are
     carried out on the host after each executed call (`steps_per_execution`
-    steps), with the same errors and warnings. `fit` under XLA with a
-    `DynamicLossScale` fails before its first step unless this callback or a
-    `LossScaleMonitor` (which does the same) is in `callbacks`. Without XLA it
-    costs one scalar read per batch and does nothing else.
+    steps), with the same errors and warnings. `fit` and `train_on_batch`
+    engage those checks by themselves; this callback (or a
+    `LossScaleMonitor`, which does the same) engages them explicitly, for a
+    trainer that calls its step otherwise. Without XLA it costs one scalar
+    read per batch and does nothing else.
 
     Raises:
       TypeError: at the start of training, the model's optimizer is not a

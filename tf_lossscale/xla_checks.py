@@ -25,10 +25,12 @@ without XLA. Several warnings in one call print one line, with the last
 one's values and how many there were.
 
 Host-side code must be engaged when the step is compiled, or the step fails
-before it ever runs, naming the fix: Keras' trainer offers an optimizer no
-way to run host code after each call, so `fit` needs `XlaChecks` or
-`LossScaleMonitor` in its callbacks, and a custom loop wraps its step with
-`with_xla_checks`.
+before it ever runs, naming the fix. Keras' `fit` and `train_on_batch`
+engage it by themselves: the step, while compiling inside a call of the
+model's `train_function`, wraps that function so the host acts after each
+call (Keras offers an optimizer no hook for this, so the call is found on
+the stack). `XlaChecks` or `LossScaleMonitor` in `fit`'s callbacks do the
+same explicitly; a custom loop wraps its step with `with_xla_checks`.
 """
 
 import contextlib
@@ -47,15 +49,13 @@ INVALID_STATE = (
     "finite and > 0 and good_steps >= 0; no variable was changed. Got")
 
 NOT_ENGAGED = (
-    "tf_lossscale: this training step is compiled with XLA (jit_compile; "
-    "Keras' fit uses it by default when a GPU is visible). Inside XLA a step "
-    "can neither fail nor print, so DynamicLossScale's state check and "
+    "tf_lossscale: this training step is compiled with XLA (jit_compile) "
+    "outside Keras' fit and train_on_batch. Inside XLA a step can neither "
+    "fail nor print, so DynamicLossScale's state check and "
     "on_min_loss_scale/max_consecutive_skips run on the host after each "
-    "call, and nothing is set up to run them. With model.fit, add "
-    "tf_lossscale.XlaChecks() (or tf_lossscale.LossScaleMonitor(), which "
-    "runs them too) to callbacks; with a custom loop or train_on_batch, "
-    "call the step through step = tf_lossscale.with_xla_checks(step, "
-    "optimizer); or turn XLA off (jit_compile=False).")
+    "call, and nothing is set up to run them: call the step through "
+    "step = tf_lossscale.with_xla_checks(step, optimizer), or turn XLA off "
+    "(jit_compile=False).")
 
 # Event codes of a failed or refused step.
 _NONE, _INVALID, _AT_FLOOR, _TOO_MANY_SKIPS = 0, 1, 2, 3
@@ -156,7 +156,7 @@ class StepEvents:
           next_state: `next_state(state, all_finite) -> (new, at_floor)`.
           assign: `assign(new_state) -> assignment ops`.
         """
-        if not self._engaged:
+        if not self._engaged and not _engage_running_trainer(self):
             raise RuntimeError(NOT_ENGAGED)
         record = tf.convert_to_tensor(self.record)
         # A step after a failure, or on a state that cannot be right, changes
@@ -338,6 +338,80 @@ class HostChecks:
         if self._context is not None:
             context, self._context = self._context, None
             context.__exit__(None, None, None)
+
+
+def _running_trainer(events):
+    """The Keras model (3 or 2) whose `train_function` is being called, here
+    being traced, with an optimizer holding `events`; and, inside its `fit`,
+    that fit's callback list. (None, None) outside such a call."""
+    frames = []
+    frame = sys._getframe(2)  # pylint: disable=protected-access
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    models = [f.f_locals.get("self") for f in frames]
+    model = next((m for m in models
+                  if events_of(getattr(m, "optimizer", None)) is events), None)
+    codes = set(_codes(getattr(model, "train_function", None)))
+    if not any(f.f_code in codes for f in frames):
+        return None, None
+    callbacks = next((f.f_locals["callbacks"] for f in frames
+                      if f.f_locals.get("self") is model and hasattr(
+                          f.f_locals.get("callbacks"), "on_train_batch_end")),
+                     None)
+    return model, callbacks
+
+
+def _codes(function):
+    """The code objects of `function` and of what it wraps, all the way in:
+    a step may be traced again inside the call that wrapped it."""
+    while function is not None:
+        code = getattr(function, "__code__", None)
+        if code is not None:
+            yield code
+        function = getattr(function, "__wrapped__", None)
+
+
+def _engage_running_trainer(events):
+    """Engages the host side for a Keras `fit` or `train_on_batch` whose step
+    is being compiled, without the user's help; False outside those.
+
+    Keras offers no hook, so the model's `train_function` is wrapped with
+    `with_xla_checks` (every later call: this fit's, later fits',
+    `train_on_batch`'s), and the running fit checks before its callbacks
+    see each batch. Steps of the call compiling now are checked at that
+    fit's first batch end, or (`train_on_batch`) before the next call.
+    """
+    model, callbacks = _running_trainer(events)
+    if model is None:
+        return False
+    if getattr(model.train_function, "_checks_xla_steps", False):
+        return True  # Wrapped when the step was first compiled.
+    if events.record is None:
+        events._create_record()  # pylint: disable=protected-access
+    optimizer = model.optimizer
+    checked = with_xla_checks(model.train_function, optimizer)
+    first_call = [True]
+
+    @functools.wraps(model.train_function)
+    def train_function(*args, **kwargs):
+        if first_call:
+            first_call.clear()
+            check(optimizer)  # What the compiling call left.
+        return checked(*args, **kwargs)
+
+    train_function._checks_xla_steps = True  # pylint: disable=protected-access
+    model.train_function = train_function
+    if callbacks is not None:
+        batch_end = callbacks.on_train_batch_end
+
+        def on_train_batch_end(*args, **kwargs):
+            check(optimizer)
+            return batch_end(*args, **kwargs)
+
+        # This fit's list only; synchronous, before any async dispatch.
+        callbacks.on_train_batch_end = on_train_batch_end
+    return True
 
 
 def with_xla_checks(step, target):
