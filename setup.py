@@ -38,6 +38,12 @@ setuptools.setup(
         "tensorboard": ["tensorboard>=2.16,<2.22"],
         # The suite also runs the demo's --plot and --logdir.
         "test": ["pytest", "absl-py", "matplotlib", "tensorboard>=2.16,<2.22"],
+        # The documentation site: `mkdocs build --strict` (.ci/docs). Reads
+        # the source with griffe; needs no TensorFlow.
+        # Lower bounds: the versions the site was built with; MkDocs 2 drops
+        # plugins.
+        "docs": ["mkdocs>=1.6.1,<2", "mkdocs-material>=9.8,<10",
+                 "mkdocstrings>=1.0,<2", "mkdocstrings-python>=2.0,<3"],
     },
     classifiers=[
         "Programming Language :: Python :: 3",
