@@ -20,7 +20,7 @@ from tf_lossscale.serialization import deserialize
 from tf_lossscale.serialization import get
 from tf_lossscale.serialization import serialize
 
-__version__ = "0.1.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "DynamicLossScale",
