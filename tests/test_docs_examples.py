@@ -68,6 +68,9 @@ def test_examples_cover_the_loss_scales_and_keras():
 def test_docs_example_runs_and_prints_what_it_says(page, block):
     prints = [line for line in block.splitlines()
               if re.match(r"\s*print\(", line)]
+    for line in prints:
+        code = line.split("  # ", 1)[0]
+        assert code.count("(") == code.count(")"), f"{line!r} spans lines"
     output = io.StringIO()
     with contextlib.redirect_stdout(output):
         exec(compile(block, str(page), "exec"), {})  # pylint: disable=exec-used
