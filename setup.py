@@ -41,6 +41,13 @@ setuptools.setup(
         # The suite also runs the demo's --plot and --logdir.
         "test": ["pytest", "absl-py", "matplotlib", "tensorboard>=2.16,<2.22",
                  "tf-keras"],
+        # The documentation site: `mkdocs build --strict` (.ci/docs). Reads
+        # the source with griffe; needs no TensorFlow.
+        # Lower bounds: the versions the site was built with; MkDocs 2 drops
+        # plugins; black lays out the API pages' signatures.
+        "docs": ["mkdocs>=1.6.1,<2", "mkdocs-material>=9.8,<10",
+                 "mkdocstrings>=1.0,<2", "mkdocstrings-python>=2.0,<3",
+                 "black>=26.1"],
     },
     classifiers=[
         "Programming Language :: Python :: 3",

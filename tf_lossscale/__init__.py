@@ -39,7 +39,7 @@ if _optimizer_protocol.tf_keras_is_tf_keras() and (
         _importlib_util.find_spec("tf_keras") is not None):
     from tf_lossscale import tf_keras_optimizer  # pylint: disable=g-import-not-at-top,unused-import
 
-__version__ = "0.1.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "DynamicLossScale",
