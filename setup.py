@@ -1,8 +1,23 @@
-"""Installs tf_lossscale; `pip install -e ".[test]"` adds the test tools,
-`.[plot]` and `.[tensorboard]` what the demo's --plot and --logdir need."""
+"""Installs tf_lossscale.
+
+TensorFlow is not in `install_requires`: it comes as several distributions
+(`tensorflow`, `tensorflow-cpu`, `tensorflow[and-cuda]`, vendor builds) that
+install the same `tensorflow` module, and requiring one would make pip install
+it over another one the user has. As with TensorFlow Addons and TensorFlow
+Probability, an extra names the distribution:
+
+    pip install tf_lossscale                    # with the TensorFlow you have
+    pip install "tf_lossscale[tensorflow]"      # or [tensorflow-cpu], [and-cuda]
+
+and `import tf_lossscale` checks that a TensorFlow in the supported range is
+installed (tf_lossscale/tensorflow_requirement.py, which also holds the
+range). `.[test]` adds the test tools (and `tensorflow`), `.[plot]` and
+`.[tensorboard]` what the demo's --plot and --logdir need.
+"""
 
 import pathlib
 import re
+import runpy
 
 import setuptools
 
@@ -10,6 +25,15 @@ _ROOT = pathlib.Path(__file__).parent
 _VERSION = re.search(r'^__version__ = "([^"]+)"',
                      (_ROOT / "tf_lossscale" / "__init__.py").read_text(),
                      re.MULTILINE).group(1)
+# The supported TensorFlow releases, e.g. ">=2.16,<2.22", and the extras that
+# bring one, from the module that checks them at import time.
+_REQUIREMENT = runpy.run_path(
+    str(_ROOT / "tf_lossscale" / "tensorflow_requirement.py"))
+_TF = _REQUIREMENT["SPECIFIER"]
+_TENSORFLOW_EXTRAS = {
+    extra: [distribution + _TF]
+    for extra, distribution, _ in _REQUIREMENT["EXTRAS"]
+}
 
 setuptools.setup(
     name="tf_lossscale",
@@ -25,22 +49,28 @@ setuptools.setup(
     packages=["tf_lossscale", "tf_lossscale.compat", "tf_lossscale.configs"],
     package_dir={"tf_lossscale.configs": "configs"},
     package_data={"tf_lossscale.configs": ["*.json"]},
+    # No TensorFlow here: see the docstring above.
     install_requires=[
-        # 2.16 is the first release whose tf.keras is Keras 3.
-        "tensorflow>=2.16,<2.22",
         "absl-py",
     ],
     extras_require={
+        # "tensorflow", "tensorflow-cpu", "and-cuda": one TensorFlow each.
+        **_TENSORFLOW_EXTRAS,
         # `python -m tf_lossscale.demo --plot=...`.
         "plot": ["matplotlib"],
-        # keras.callbacks.TensorBoard and the demo's --logdir; tensorflow
-        # (-cpu) does not install it. Same release range as tensorflow.
-        "tensorboard": ["tensorboard>=2.16,<2.22"],
-        # tf-keras (Keras 2) optimizers, `TF_USE_LEGACY_KERAS=1`.
-        "tf-keras": ["tf-keras"],
-        # The suite also runs the demo's --plot and --logdir.
-        "test": ["pytest", "absl-py", "matplotlib", "tensorboard>=2.16,<2.22",
-                 "tf-keras"],
+        # keras.callbacks.TensorBoard and the demo's --logdir; tensorflow-cpu
+        # does not install it. Same release range as TensorFlow.
+        "tensorboard": ["tensorboard" + _TF],
+        # tf-keras (Keras 2) optimizers, `TF_USE_LEGACY_KERAS=1`. tf-keras
+        # depends on the `tensorflow` distribution; same release range.
+        "tf-keras": ["tf-keras" + _TF],
+        # The suite also runs the demo's --plot and --logdir, and the tf-keras
+        # wrapper. It brings the full `tensorflow` distribution, the one
+        # tf-keras depends on: run it in an environment of its own rather
+        # than over a tensorflow-cpu.
+        "test": _TENSORFLOW_EXTRAS["tensorflow"] + [
+            "pytest", "absl-py", "matplotlib", "tensorboard" + _TF,
+            "tf-keras" + _TF],
         # The documentation site: `mkdocs build --strict` (.ci/docs). Reads
         # the source with griffe; needs no TensorFlow.
         # Lower bounds: the versions the site was built with; MkDocs 2 drops

@@ -16,11 +16,18 @@ Public API:
   needs (`fit`'s callbacks; a custom step).
 """
 
+# TensorFlow is not a pip requirement of this package (setup.py says why):
+# check here, before any module imports it, that one is installed and in the
+# supported range, with an ImportError that says how to fix it.
+from tf_lossscale import tensorflow_requirement as _tensorflow_requirement
+
+_tensorflow_requirement.check_tensorflow()
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from importlib import util as _importlib_util
 
-from tf_lossscale import optimizer_protocol as _optimizer_protocol
-
 from tf_lossscale import compat
+from tf_lossscale import optimizer_protocol as _optimizer_protocol
 from tf_lossscale.keras_optimizer import LossScaleOptimizer
 from tf_lossscale.loss_scale import DynamicLossScale
 from tf_lossscale.loss_scale import FixedLossScale
@@ -31,6 +38,7 @@ from tf_lossscale.serialization import deserialize
 from tf_lossscale.serialization import get
 from tf_lossscale.serialization import serialize
 from tf_lossscale.xla_checks import with_xla_checks
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 # With `tf.keras` being tf-keras, its users load saved models in processes
 # that have wrapped no optimizer yet: register the tf-keras wrappers now.
