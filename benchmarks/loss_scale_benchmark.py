@@ -31,8 +31,9 @@ takes medians, and prints ratios, with each target and whether it holds.
    that costs nothing).
 5. `model.fit` of the same MLP compiled with XLA (`jit_compile=True`, Keras'
    default on GPUs), in its own interleaved rounds: no loss scaling, Keras
-   3's wrapper, and tf_lossscale with the `XlaChecks` callback it needs
-   there (its host-side read after each call is counted).
+   3's wrapper, and tf_lossscale as users run it there, with no callback
+   (fit engages the host-side checks itself; their read after each call is
+   counted).
 
 Run: python benchmarks/loss_scale_benchmark.py [--quick] [--rounds=N]
      [--fit_steps=N] [--fit_rounds=N]
@@ -331,8 +332,7 @@ def _fit_candidates(width, jit_compile=False):
             "no loss scaling": plain(),
             "Keras 3 LossScaleOptimizer": wrapped(
                 keras.optimizers.LossScaleOptimizer),
-            "tf_lossscale + XlaChecks": wrapped(
-                tf_lossscale.LossScaleOptimizer, [tf_lossscale.XlaChecks]),
+            "tf_lossscale": wrapped(tf_lossscale.LossScaleOptimizer),
         }
     return {
         "no loss scaling": plain(),
@@ -397,36 +397,40 @@ def _interleaved_fits(report, runs, x, y, batch_size, rounds):
     return cpu
 
 
-def xla_fit_overhead(report, rounds, steps, width=512, batch_size=128):
-    report.line(f"\n5. model.fit of the same 6x{width} MLP under XLA "
-                f"(jit_compile=True), mixed_bfloat16, batch {batch_size}, "
-                f"{steps} steps per run")
-    x, y = _fit_data(steps, width, batch_size)
-    cpu = _interleaved_fits(
-        report, _make_runs(_fit_candidates(width, jit_compile=True)), x, y,
-        batch_size, rounds)
-    ours = cpu["tf_lossscale + XlaChecks"] - 1.0
+def _fit_overheads(report, title, candidates, x, y, batch_size, rounds,
+                   what, target_label, target_share):
+    """Interleaved fits of `candidates`; prints ours and Keras 3's overhead
+    over no loss scaling and the target. Returns (cpu ratios, ours, theirs)."""
+    report.line(title)
+    cpu = _interleaved_fits(report, _make_runs(candidates), x, y, batch_size,
+                            rounds)
+    ours = cpu["tf_lossscale"] - 1.0
     theirs = cpu["Keras 3 LossScaleOptimizer"] - 1.0
-    report.line(f"  CPU overhead over no loss scaling under XLA: tf_lossscale "
+    report.line(f"  CPU overhead over no loss scaling{what}: tf_lossscale "
                 f"{ours:+.3f}, Keras 3 {theirs:+.3f}")
-    report.target("XLA fit CPU overhead: tf_lossscale's (vs Keras 3's)",
-                  ours, _TARGET_XLA_FIT_OVERHEAD_SHARE * theirs)
+    report.target(target_label, ours, target_share * theirs)
+    return cpu, ours, theirs
+
+
+def xla_fit_overhead(report, rounds, steps, width=512, batch_size=128):
+    x, y = _fit_data(steps, width, batch_size)
+    _fit_overheads(
+        report, f"\n5. model.fit of the same 6x{width} MLP under XLA "
+        f"(jit_compile=True), mixed_bfloat16, batch {batch_size}, {steps} "
+        "steps per run", _fit_candidates(width, jit_compile=True), x, y,
+        batch_size, rounds, " under XLA",
+        "XLA fit CPU overhead: tf_lossscale's (vs Keras 3's)",
+        _TARGET_XLA_FIT_OVERHEAD_SHARE)
 
 
 def fit_overhead(report, rounds, steps, width=512, batch_size=128):
-    report.line(f"\n3. model.fit of a 6x{width} MLP, mixed_bfloat16 compute "
-                f"(see the module docstring), batch {batch_size}, {steps} "
-                "steps per run")
     x, y = _fit_data(steps, width, batch_size)
-    runs = _make_runs(_fit_candidates(width))
-
-    cpu = _interleaved_fits(report, runs, x, y, batch_size, rounds)
-    ours = cpu["tf_lossscale"] - 1.0
-    theirs = cpu["Keras 3 LossScaleOptimizer"] - 1.0
-    report.line(f"  CPU overhead over no loss scaling: tf_lossscale {ours:+.3f},"
-                f" Keras 3 {theirs:+.3f}")
-    report.target("fit CPU overhead: tf_lossscale's (vs half of Keras 3's)",
-                  ours, _TARGET_FIT_OVERHEAD_SHARE * theirs)
+    cpu, ours, theirs = _fit_overheads(
+        report, f"\n3. model.fit of a 6x{width} MLP, mixed_bfloat16 compute "
+        f"(see the module docstring), batch {batch_size}, {steps} steps per "
+        "run", _fit_candidates(width), x, y, batch_size, rounds, "",
+        "fit CPU overhead: tf_lossscale's (vs half of Keras 3's)",
+        _TARGET_FIT_OVERHEAD_SHARE)
     monitor = cpu["tf_lossscale + LossScaleMonitor"] - cpu["tf_lossscale"]
     report.line(f"  LossScaleMonitor adds {monitor:+.3f} of an unscaled step")
     report.target("LossScaleMonitor's cost per fit step (vs 1%)", monitor,
