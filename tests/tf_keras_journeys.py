@@ -289,6 +289,29 @@ def fixed_scale_that_skips_non_finite_steps():
 
 
 @journey
+def xla_fit_carries_out_the_failure_policy_without_a_callback():
+    # jit_compile=True, as on a GPU; no XlaChecks and no monitor.
+    loss_scale = tf_lossscale.DynamicLossScale(1.0, on_min_loss_scale="raise")
+    model = _model()
+    optimizer = tf_lossscale.LossScaleOptimizer(keras.optimizers.SGD(0.01),
+                                                loss_scale=loss_scale)
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=True)
+    x, y = _data()
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    weights = model.get_weights()
+    x, y = _data(nan_batches=[0], batches=2)
+    try:
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    except tf.errors.InvalidArgumentError as error:
+        assert "min_loss_scale=1.0" in str(error), error
+    else:
+        raise AssertionError("no error at the floor under XLA")
+    for now, before in zip(model.get_weights(), weights):
+        np.testing.assert_array_equal(now, before)
+    assert int(optimizer.iterations) == 6
+
+
+@journey
 def loss_scale_monitor_logs_to_history_csv_and_tensorboard():
     monitor = tf_lossscale.LossScaleMonitor(verbose=True)
     assert isinstance(monitor, keras.callbacks.Callback)

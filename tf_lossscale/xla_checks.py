@@ -26,10 +26,10 @@ one's values and how many there were.
 
 Host-side code must be engaged when the step is compiled, or the step fails
 before it ever runs, naming the fix. Keras' `fit` and `train_on_batch`
-engage it by themselves: the step, while compiling inside a call of the
-model's `train_function`, wraps that function so the host acts after each
-call (Keras offers an optimizer no hook for this, so the call is found on
-the stack). `XlaChecks` or `LossScaleMonitor` in `fit`'s callbacks do the
+engage it by themselves: the step, while compiling inside the model's
+`fit` or `train_on_batch`, wraps the model's `train_function` so the host
+acts after each call (Keras offers an optimizer no hook for this, so the
+call is found on the stack). `XlaChecks` or `LossScaleMonitor` in `fit`'s callbacks do the
 same explicitly; a custom loop wraps its step with `with_xla_checks`.
 """
 
@@ -56,6 +56,10 @@ NOT_ENGAGED = (
     "call, and nothing is set up to run them: call the step through "
     "step = tf_lossscale.with_xla_checks(step, optimizer), or turn XLA off "
     "(jit_compile=False).")
+
+# The Keras (3 and 2) model methods that run the compiled train step and
+# then return to the host.
+_TRAINING_METHODS = ("fit", "train_on_batch")
 
 # Event codes of a failed or refused step.
 _NONE, _INVALID, _AT_FLOOR, _TOO_MANY_SKIPS = 0, 1, 2, 3
@@ -341,35 +345,20 @@ class HostChecks:
 
 
 def _running_trainer(events):
-    """The Keras model (3 or 2) whose `train_function` is being called, here
-    being traced, with an optimizer holding `events`; and, inside its `fit`,
-    that fit's callback list. (None, None) outside such a call."""
-    frames = []
+    """The Keras model (3 or 2) whose `fit` or `train_on_batch` is running,
+    here compiling its step, with an optimizer holding `events`; and, inside
+    its `fit`, that fit's callback list. (None, None) outside such a call."""
     frame = sys._getframe(2)  # pylint: disable=protected-access
     while frame is not None:
-        frames.append(frame)
+        model = frame.f_locals.get("self")
+        if (frame.f_code.co_name in _TRAINING_METHODS and events_of(
+                getattr(model, "optimizer", None)) is events):
+            callbacks = frame.f_locals.get("callbacks")
+            if not hasattr(callbacks, "on_train_batch_end"):
+                callbacks = None
+            return model, callbacks
         frame = frame.f_back
-    models = [f.f_locals.get("self") for f in frames]
-    model = next((m for m in models
-                  if events_of(getattr(m, "optimizer", None)) is events), None)
-    codes = set(_codes(getattr(model, "train_function", None)))
-    if not any(f.f_code in codes for f in frames):
-        return None, None
-    callbacks = next((f.f_locals["callbacks"] for f in frames
-                      if f.f_locals.get("self") is model and hasattr(
-                          f.f_locals.get("callbacks"), "on_train_batch_end")),
-                     None)
-    return model, callbacks
-
-
-def _codes(function):
-    """The code objects of `function` and of what it wraps, all the way in:
-    a step may be traced again inside the call that wrapped it."""
-    while function is not None:
-        code = getattr(function, "__code__", None)
-        if code is not None:
-            yield code
-        function = getattr(function, "__wrapped__", None)
+    return None, None
 
 
 def _engage_running_trainer(events):
