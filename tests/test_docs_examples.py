@@ -2,7 +2,11 @@
 
 As in the README (`test_readme_examples.py`), a ```python block counts as
 self-contained when its first line is an import; the others are fragments
-that rely on a model, data or a cluster of the reader's own.
+that rely on a model, data or a cluster of the reader's own. A block whose
+first line is `# Run with TF_USE_LEGACY_KERAS=1 ...` (the tf-keras guide)
+is runnable too: it needs `tf.keras` to be tf-keras, which this process,
+having imported Keras 3, cannot give it, so it runs in a subprocess with
+`TF_USE_LEGACY_KERAS=1` set before TensorFlow is imported.
 
 What the examples print is what their comments say: a runnable block's
 `print(...)` calls each take one line and each prints one line, and a
@@ -12,8 +16,11 @@ printed, followed by the end of the comment or a space, colon or bracket.
 
 import contextlib
 import io
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -25,16 +32,15 @@ def _blocks(page):
     return re.findall(r"```python\n(.*?)```", page.read_text(), re.DOTALL)
 
 
+_LEGACY_KERAS = "# Run with TF_USE_LEGACY_KERAS=1"
 _RUNNABLE = [(page, block) for page in _PAGES for block in _blocks(page)
-             if block.startswith("import ")]
+             if block.startswith(("import ", _LEGACY_KERAS))]
+# Bounds a hung subprocess, not a speed requirement.
+_TIMEOUT_SECONDS = 600
 
-# Guide pages whose code cannot run in this suite yet, and why. Everything
-# else in docs/guides/ with Python code must have a runnable example.
-_NO_RUNNABLE_EXAMPLE = {
-    # Only the wrapper for tf-keras optimizers makes its fragments runnable;
-    # it is not merged on this branch.
-    "tf-keras.md": "tf-keras wrapper not merged yet",
-}
+# Guide pages whose code cannot run in this suite, and why. Everything else
+# in docs/guides/ with Python code must have a runnable example.
+_NO_RUNNABLE_EXAMPLE = {}
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
 
@@ -71,10 +77,13 @@ def test_docs_example_runs_and_prints_what_it_says(page, block):
     for line in prints:
         code = line.split("  # ", 1)[0]
         assert code.count("(") == code.count(")"), f"{line!r} spans lines"
-    output = io.StringIO()
-    with contextlib.redirect_stdout(output):
-        exec(compile(block, str(page), "exec"), {})  # pylint: disable=exec-used
-    printed = output.getvalue().splitlines()
+    if block.startswith(_LEGACY_KERAS):
+        printed = _run_with_tf_keras(block)
+    else:
+        output = io.StringIO()
+        with contextlib.redirect_stdout(output):
+            exec(compile(block, str(page), "exec"), {})  # pylint: disable=exec-used
+        printed = output.getvalue().splitlines()
     assert len(printed) == len(prints), printed
     for line, actual in zip(prints, printed):
         if "  # " not in line:
@@ -82,3 +91,22 @@ def test_docs_example_runs_and_prints_what_it_says(page, block):
         claimed = line.split("  # ", 1)[1].strip()
         assert re.fullmatch(re.escape(actual) + r"([ :(].*)?", claimed), (
             f"{line.strip()!r} printed {actual!r}")
+
+
+def _run_with_tf_keras(block):
+    root = str(_DOCS.parent)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (root, env.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, "-c", block], env=env, cwd=root,
+                          capture_output=True, text=True,
+                          timeout=_TIMEOUT_SECONDS, check=False)
+    assert done.returncode == 0, done.stderr[-6000:]
+    return done.stdout.splitlines()
+
+
+def test_tf_keras_examples_run_with_tf_keras_as_tf_keras():
+    # The tf-keras guide shows what tf-keras users run, and it runs here.
+    blocks = [block for page, block in _RUNNABLE
+              if _name(page) == "guides/tf-keras.md"]
+    assert blocks and all(block.startswith(_LEGACY_KERAS) for block in blocks)
