@@ -425,10 +425,9 @@ class DynamicLossScale(LossScale):
         like "raise", naming the count and the scale.
 
     Under XLA the state check, "warn", "raise" and `max_consecutive_skips`
-    are carried out by the host after each compiled call, which needs
-    `tf_lossscale.XlaChecks` (or `LossScaleMonitor`) in `fit` or
-    `tf_lossscale.with_xla_checks` around a custom step; see
-    `tf_lossscale.xla_checks`.
+    are carried out by the host after each compiled call: Keras' `fit` and
+    `train_on_batch` set that up by themselves, a custom XLA step needs
+    `tf_lossscale.with_xla_checks` around it; see `tf_lossscale.xla_checks`.
 
     Raises:
       TypeError: an argument is a bool where a number is expected, or of the
