@@ -68,8 +68,15 @@ def test_float8_variables_match_keras_loss_scale_optimizer(mode):
     for mine, theirs in zip(ours.trainable_variables,
                             keras_own.trainable_variables):
         assert mine.name == theirs.name
-        np.testing.assert_array_equal(mine.numpy(), theirs.numpy(),
-                                      err_msg=mine.path)
+        if mode == "graph":
+            np.testing.assert_array_equal(mine.numpy(), theirs.numpy(),
+                                          err_msg=mine.path)
+        else:
+            # The two wrappers' steps are different programs, and XLA may
+            # fuse each one's reductions in another order (TF 2.16's XLA
+            # does: one float32 ulp apart); the values agree to within that.
+            np.testing.assert_allclose(mine.numpy(), theirs.numpy(),
+                                       rtol=1e-6, atol=0, err_msg=mine.path)
     # The upstream-gradient history holds scaled values: passing it through
     # is visible (unscaling would have divided it by the scale).
     history = [v for v in overwritten
