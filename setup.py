@@ -46,13 +46,13 @@ setuptools.setup(
     python_requires=">=3.9",
     # The top-level configs/ folder ships inside the package as
     # tf_lossscale.configs, so the demo finds its defaults after any install.
-    packages=["tf_lossscale", "tf_lossscale.compat", "tf_lossscale.configs"],
+    packages=["tf_lossscale", "tf_lossscale.compat", "tf_lossscale.configs",
+              "tf_lossscale.demo"],
     package_dir={"tf_lossscale.configs": "configs"},
     package_data={"tf_lossscale.configs": ["*.json"]},
-    # No TensorFlow here: see the docstring above.
-    install_requires=[
-        "absl-py",
-    ],
+    # No TensorFlow here: see the docstring above. Nor absl-py: only the
+    # demo's command line uses it, and every TensorFlow depends on it.
+    install_requires=[],
     extras_require={
         # "tensorflow", "tensorflow-cpu", "and-cuda": one TensorFlow each.
         **_TENSORFLOW_EXTRAS,

@@ -293,7 +293,7 @@ def test_invalid_option_is_rejected_before_training(option, value, capsys):
     with pytest.raises(demo.ConfigError) as error:
         demo.run(demo.load_config(), **{option: value})
 
-    kind = demo.OPTIONS[option][1].kind
+    kind = demo.OPTIONS[option].field.kind
     assert str(error.value) == f"--{option} must be {kind}, got {value!r}"
     assert capsys.readouterr().out == ""
 
@@ -304,3 +304,14 @@ def test_other_loss_scale_identifiers_are_accepted(identifier):
     config["loss_scale"] = identifier
 
     assert demo.validate_config(config)["loss_scale"] == identifier
+
+
+def test_importing_the_demo_registers_no_command_line_flags():
+    # The flags belong to `python -m tf_lossscale.demo`: a program that
+    # imports the demo (or anything that imports it) keeps absl's global
+    # flags to itself.
+    from absl import flags  # pylint: disable=g-import-not-at-top
+    import tf_lossscale.demo.training  # pylint: disable=g-import-not-at-top,unused-import
+
+    assert not set(demo.OPTIONS) & set(flags.FLAGS)
+    assert "config" not in flags.FLAGS
