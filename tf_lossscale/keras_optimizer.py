@@ -58,6 +58,14 @@ from tf_lossscale import loss_scaled_step
 from tf_lossscale import optimizer_arguments
 from tf_lossscale import optimizer_protocol
 from tf_lossscale import optimizer_saving
+from tf_lossscale import xla_checks
+
+
+def _not_lifted(next_creator, **kwargs):
+    """A variable creator: the variable is not one of a tf.function's
+    (`experimental_enable_variable_lifting=False`, public since TF 2.11)."""
+    kwargs["experimental_enable_variable_lifting"] = False
+    return next_creator(**kwargs)
 
 
 @keras.saving.register_keras_serializable(package="tf_lossscale")
@@ -200,8 +208,14 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
                 raise ValueError(
                     "The first apply needs trainable_variables, or call "
                     "optimizer.build(variables) first")
-            # build opens the optimizer's name scope itself.
-            self.build(trainable_variables)
+            # build opens the optimizer's name scope itself. Eagerly, and
+            # not as a variable of the tf.function being traced (TensorFlow
+            # lets it create variables on its first call only): a first trace
+            # that fails, as an XLA step without a watcher does below, leaves
+            # a function that can still be traced.
+            with tf.init_scope(), tf.variable_creator_scope(_not_lifted):
+                self.build(trainable_variables)
+        loss_scaled_step.check_traceable(self._loss_scale)
         variables = trainable_variables or self._trainable_variables
         if not self._caller_unscales:
             # Read before the update below can change the scale.
@@ -225,6 +239,10 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
             "use apply or apply_gradients")
 
     def finalize_variable_values(self, var_list):
+        """The inner optimizer's; first, at the end of `fit`, raises what XLA
+        steps left to the host (one small read, only once a step was
+        traced under XLA: `tf_lossscale.xla_checks`)."""
+        xla_checks.act(self)
         self.inner_optimizer.finalize_variable_values(var_list)
 
     # Saving: see tf_lossscale.optimizer_saving.

@@ -41,6 +41,7 @@ from tf_lossscale import legacy_configs
 from tf_lossscale import loss_scaled_step
 from tf_lossscale import optimizer_arguments
 from tf_lossscale import optimizer_protocol
+from tf_lossscale import xla_checks
 
 _NEW_BASE = tf_keras.optimizers.Optimizer
 _LEGACY_BASE = tf_keras.optimizers.legacy.Optimizer
@@ -194,6 +195,7 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
         self.check_unscaled()
         optimizer_protocol.check_replica_context()
         distribution.check_supported()
+        loss_scaled_step.check_traceable(self._loss_scale)
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]
         if not pairs:
             raise ValueError("No gradients provided for any variable")
@@ -257,6 +259,13 @@ class LossScaleOptimizer(_TfKerasWrapper, tf_keras_lso.LossScaleOptimizerV3):
 
     def build(self, var_list):
         self._build(var_list)
+
+    def finalize_variable_values(self, var_list):
+        """tf-keras' wrapper's; first, at the end of `fit`, raises what XLA
+        steps left to the host (`tf_lossscale.xla_checks`). tf-keras' `fit`
+        calls it for this class only, not for the legacy one."""
+        xla_checks.act(self)
+        super().finalize_variable_values(var_list)
 
     @property
     def variables(self):
