@@ -289,19 +289,33 @@ def fixed_scale_that_skips_non_finite_steps():
 
 
 @journey
-def xla_fit_carries_out_the_failure_policy_without_a_callback():
-    # jit_compile=True, as on a GPU; no XlaChecks and no monitor.
+def xla_fit_needs_a_watcher_for_the_failure_policy():
+    # jit_compile=True, as on a GPU: without a watcher the step fails before
+    # it runs, naming the fix; with XlaChecks it raises at the floor.
     loss_scale = tf_lossscale.DynamicLossScale(1.0, on_min_loss_scale="raise")
     model = _model()
     optimizer = tf_lossscale.LossScaleOptimizer(keras.optimizers.SGD(0.01),
                                                 loss_scale=loss_scale)
     model.compile(optimizer=optimizer, loss="mse", jit_compile=True)
     x, y = _data()
-    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    weights = model.get_weights()
+    try:
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    except RuntimeError as error:
+        assert "tf_lossscale.XlaChecks()" in str(error), error
+    else:
+        raise AssertionError("an unwatched XLA step ran")
+    for now, before in zip(model.get_weights(), weights):
+        np.testing.assert_array_equal(now, before)
+    checks = tf_lossscale.XlaChecks()
+    assert isinstance(checks, keras.callbacks.Callback)
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0,
+              callbacks=[checks])
     weights = model.get_weights()
     x, y = _data(nan_batches=[0], batches=2)
     try:
-        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0,
+                  callbacks=[checks])
     except tf.errors.InvalidArgumentError as error:
         assert "min_loss_scale=1.0" in str(error), error
     else:
