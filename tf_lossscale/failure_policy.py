@@ -149,7 +149,7 @@ def _summary(value):
     return f"an array of shape {value.shape} and dtype {value.dtype}"
 
 
-def check_loadable(named_variables, values):
+def check_loadable(stored):
     """Raises unless every value can be assigned exactly to its variable.
 
     For `.keras` and `.h5` stores, before any variable is assigned: a value
@@ -158,16 +158,15 @@ def check_loadable(named_variables, values):
     range is not checked here: the state check refuses it at the first step.
 
     Args:
-      named_variables: `(name, variable)` pairs of the loss scale's state.
-      values: the stored values, in the same order.
+      stored: `((name, variable), value)` pairs of the loss scale's state.
 
     Raises:
       TypeError: a value is not numeric.
       ValueError: a value has another shape, or an int64 variable cannot
         hold it exactly.
     """
-    for (name, variable), stored in zip(named_variables, values):
-        value = np.asarray(stored)
+    for (name, variable), stored_value in stored:
+        value = np.asarray(stored_value)
         where = (f"tf_lossscale: the loss scale's {name} in this file "
                  f"cannot be loaded: got {_summary(value)}")
         if value.dtype.kind not in "iuf":

@@ -187,6 +187,27 @@ class LossScale(tf.__internal__.tracking.Trackable, metaclass=abc.ABCMeta):
         """The state variables, in creation order (empty if stateless)."""
         return tuple(self._state_variables.values())
 
+    def check_loadable(self, values):
+        """Raises, before anything is assigned, unless each of `values` can
+        be assigned exactly to its variable: the shape, a number, and for
+        counters a whole number an int64 holds
+        (`tf_lossscale.failure_policy.check_loadable`). Whether the state
+        is one the rule can reach is checked at the next step.
+
+        Args:
+          values: one per variable of `variables`, in order, as a file
+            stored them; None for one the file does not hold.
+
+        Raises:
+          TypeError, ValueError: naming the variable and the value.
+        """
+        names = {id(v): name for name, v in
+                 getattr(self, "_state_variables", {}).items()}
+        failure_policy.check_loadable(
+            [((names.get(id(v), v.name), v), value)
+             for v, value in zip(self.variables, values)
+             if value is not None])
+
     def _add_state_variable(self, name, initial_value, dtype):
         variable = tf.Variable(
             initial_value,

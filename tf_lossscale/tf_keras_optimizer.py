@@ -146,13 +146,18 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
         return [variable.numpy() for variable in self._all_variables()]
 
     def set_weights(self, weights):
-        """Sets every variable of `variables`, in that order (.h5 files)."""
+        """Sets every variable of `variables`, in that order (.h5 files);
+        nothing if the loss scale's values cannot be assigned exactly
+        (`LossScale.check_loadable` raises first)."""
         variables = self._all_variables()
         if len(weights) != len(variables):
             raise ValueError(
                 f"LossScaleOptimizer has {len(variables)} variables, got "
                 f"{len(weights)} values: build it first with "
                 "optimizer.build(model.trainable_variables)")
+        first = len(self._inner_variables())
+        self._loss_scale.check_loadable(
+            weights[first:first + len(self._loss_scale.variables)])
         for variable, value in zip(variables, weights):
             variable.assign(value)
 
