@@ -61,13 +61,6 @@ from tf_lossscale import optimizer_saving
 from tf_lossscale import xla_checks
 
 
-def _not_lifted(next_creator, **kwargs):
-    """A variable creator: the variable is not one of a tf.function's
-    (`experimental_enable_variable_lifting=False`, public since TF 2.11)."""
-    kwargs["experimental_enable_variable_lifting"] = False
-    return next_creator(**kwargs)
-
-
 @keras.saving.register_keras_serializable(package="tf_lossscale")
 class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
                          optimizer_protocol.ScaledLossProtocol,
@@ -208,12 +201,8 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
                 raise ValueError(
                     "The first apply needs trainable_variables, or call "
                     "optimizer.build(variables) first")
-            # build opens the optimizer's name scope itself. Eagerly, and
-            # not as a variable of the tf.function being traced (TensorFlow
-            # lets it create variables on its first call only): a first trace
-            # that fails, as an XLA step without a watcher does below, leaves
-            # a function that can still be traced.
-            with tf.init_scope(), tf.variable_creator_scope(_not_lifted):
+            # build opens the optimizer's name scope itself.
+            with loss_scaled_step.building_outside_traces():
                 self.build(trainable_variables)
         loss_scaled_step.check_traceable(self._loss_scale)
         variables = trainable_variables or self._trainable_variables

@@ -25,6 +25,8 @@ Under XLA a loss scale's failed or refused step halts every later one
 its record: `tf_lossscale.xla_record`, `tf_lossscale.xla_checks`.
 """
 
+import contextlib
+
 import tensorflow as tf
 
 from tf_lossscale import distribution
@@ -95,6 +97,26 @@ def _any_replica_nonfinite(grads, positions, size):
             else tf.constant(False) for i in range(size)])
 
     return distribution.any_replica_true(local_flags, grads)
+
+
+@contextlib.contextmanager
+def building_outside_traces():
+    """For a wrapper's first build, which may come inside a traced step:
+    its variables are made eagerly and are not the tf.function's.
+
+    TensorFlow lets a tf.function create variables on its first call only,
+    and a first trace that fails (an XLA step without a watcher,
+    `check_traceable`) would leave the function unable to make them later.
+    `experimental_enable_variable_lifting=False` (a documented tf.Variable
+    argument since TF 2.11) keeps the function from counting them.
+    """
+
+    def not_lifted(next_creator, **kwargs):
+        kwargs["experimental_enable_variable_lifting"] = False
+        return next_creator(**kwargs)
+
+    with tf.init_scope(), tf.variable_creator_scope(not_lifted):
+        yield
 
 
 def check_traceable(loss_scale):

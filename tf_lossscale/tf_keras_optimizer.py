@@ -121,9 +121,10 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
     def _build(self, var_list):
         """Builds the inner optimizer and the per-variable overflow flags."""
         var_list = list(var_list)
-        self._build_inner(var_list)
+        with loss_scaled_step.building_outside_traces():
+            self._build_inner(var_list)
         if self._last_nonfinite is None:
-            with tf.init_scope():
+            with loss_scaled_step.building_outside_traces():
                 # One flag per variable, written only on skipped steps.
                 flags = tf.Variable(
                     tf.zeros([len(var_list)], tf.int32),
