@@ -35,6 +35,7 @@ JOURNEYS = [
     "fixed_scale_that_skips_non_finite_steps",
     "loss_scale_monitor_logs_to_history_csv_and_tensorboard",
     "xla_fit_needs_a_watcher_for_the_failure_policy",
+    "loss_scale_state_from_a_file_is_checked_field_by_field",
 ]
 
 
