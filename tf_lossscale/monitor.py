@@ -167,13 +167,15 @@ class _FitWatch:
             raise
 
 
-def _rewatch(watch, model, optimizer):
+def _rewatch(watch, model, optimizer, act=True):
     """A new `_FitWatch` of `model`, once `optimizer`'s record holds nothing
-    (acting on it raises what unwatched calls left); `watch`, left by a fit
-    that died (no `on_train_end`), ends first."""
+    (acting on it raises what unwatched calls left; `act=False` for a caller
+    that reads the scale next, which acts); `watch`, left by a fit that died
+    (no `on_train_end`), ends first."""
     if watch is not None:
         watch.end(retrace=False)
-    xla_checks.act(optimizer)
+    if act:
+        xla_checks.act(optimizer)
     return _FitWatch(model, optimizer)
 
 
@@ -267,8 +269,8 @@ class _Monitor:
         optimizer = getattr(self.model, "optimizer", None)
         _check_optimizer(optimizer)
         self._optimizer = optimizer
-        self._watch = _rewatch(self._watch, self.model, optimizer)
         self._scale, self._skipped = self._read()
+        self._watch = _rewatch(self._watch, self.model, optimizer, act=False)
         self._step = 0
         self._epoch_first_step = 0
         self._burst = None
