@@ -136,8 +136,8 @@ class _FitWatch:
 
     def __init__(self, model, optimizer):
         self._model = model
-        probe = xla_checks.Watch(optimizer)
-        if probe.needs_host and getattr(model, "jit_compile", False) is True:
+        if xla_checks.needs_watch(optimizer) and getattr(
+                model, "jit_compile", False) is True:
             self._make_train_function()
         train_function = getattr(model, "train_function", None)
         self._watch = xla_checks.Watch(
@@ -296,7 +296,8 @@ class _Monitor:
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
-            logs["loss_scale"], logs["skipped_steps"] = self._read()
+            with self._watch.ending_on_error():
+                logs["loss_scale"], logs["skipped_steps"] = self._read()
 
     def on_train_end(self, logs=None):
         self._watch.end()

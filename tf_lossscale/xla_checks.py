@@ -92,6 +92,14 @@ def _warn(record, recorded):
     print(line, file=sys.stderr, flush=True)
 
 
+def needs_watch(target):
+    """Whether the loss scale of `target` (an optimizer or loss scale) asks
+    for failures or warnings, so that its XLA steps may only be traced
+    under a live `Watch`."""
+    record = xla_record.record_of(target)
+    return record is not None and record.needs_host
+
+
 class Watch:
     """Lets XLA steps of `target`'s loss scale be traced while it is live.
 
@@ -111,12 +119,6 @@ class Watch:
         self._is_live = is_live
         self._started = False
         self.traced = False
-
-    @property
-    def needs_host(self):
-        """Whether the loss scale asks for failures or warnings, so that its
-        XLA steps may only be traced under a watch."""
-        return self._record is not None and self._record.needs_host
 
     def start(self):
         if self._record is not None and not self._started:
