@@ -49,9 +49,9 @@ _INT64_MIN, _INT64_MAX = np.iinfo(np.int64).min, np.iinfo(np.int64).max
 
 NOT_WATCHED = (
     "tf_lossscale: this training step is compiled with XLA (jit_compile) and "
-    "its DynamicLossScale asks for failures ({asks}). A compiled step can "
-    "neither fail nor print, so they are carried out on the host after each "
-    "call, and nothing is watching this step. Fix one of: pass "
+    "its DynamicLossScale asks for errors or warnings ({asks}). A compiled "
+    "step can neither fail nor print, so they are carried out on the host "
+    "after each call, and nothing is watching this step. Fix one of: pass "
     "tf_lossscale.XlaChecks() (or a tf_lossscale.LossScaleMonitor()) in "
     "model.fit's callbacks; wrap a custom step, or model.train_on_batch, as "
     "step = tf_lossscale.with_xla_checks(step, optimizer), after compiling "
