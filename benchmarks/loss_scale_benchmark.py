@@ -32,8 +32,8 @@ takes medians, and prints ratios, with each target and whether it holds.
 5. `model.fit` of the same MLP compiled with XLA (`jit_compile=True`, Keras'
    default on GPUs), in its own interleaved rounds: no loss scaling, Keras
    3's wrapper, and tf_lossscale as users run it there, with no callback
-   (fit engages the host-side checks itself; their read after each call is
-   counted).
+   (the default loss scale needs no watcher under XLA and reads nothing per
+   call).
 
 Run: python benchmarks/loss_scale_benchmark.py [--quick] [--rounds=N]
      [--fit_steps=N] [--fit_rounds=N]

@@ -8,7 +8,8 @@ session and inside `model.fit`; a warning is one line on stderr per
 occurrence, in every one of those places. Under XLA (`jit_compile=True`) the
 host raises or warns after the call that held the step (`XlaChecks`,
 `with_xla_checks`), with the same text; steps after a failure in the same
-call change nothing. Under MirroredStrategy all replicas fail or warn
+call change nothing (every way of running an XLA step:
+tests/test_xla_ways.py). Under MirroredStrategy all replicas fail or warn
 together, from one decision (Mirrored is tested without XLA: XLA under
 Mirrored on logical CPUs fails in TensorFlow itself).
 """
@@ -205,9 +206,10 @@ def _compiled(loss_scale, compile_args):
 
 
 def _fit(model, x, y):
-    # No callback in any mode: under XLA, fit engages the host side itself.
+    # Under XLA a policy that asks for failures needs a watcher; without
+    # XLA the callback reads nothing and does nothing.
     model.fit(x, y, batch_size=_BATCH_SIZE, epochs=1, shuffle=False,
-              verbose=0)
+              verbose=0, callbacks=[tf_lossscale.XlaChecks()])
 
 
 _FIT_MODES = {
@@ -369,37 +371,17 @@ def test_fit_raise_comes_before_the_weights_change_again(mode):
 
 
 @pytest.mark.usefixtures("keras_isolation")
-@pytest.mark.parametrize("callbacks", [[], [keras.callbacks.History()]],
-                         ids=["none", "others"])
-@pytest.mark.parametrize("batches", [1, 3])
-def test_fit_under_xla_carries_out_the_policy_without_a_callback(
-        callbacks, batches):
-    # The GPU default: no XlaChecks, no monitor. One batch is a fit of one
-    # call, the call that compiles the step.
-    loss_scale = tf_lossscale.DynamicLossScale(
-        initial_loss_scale=1, on_min_loss_scale="raise")
-    model, optimizer = _compiled(loss_scale, _FIT_MODES["xla"])
-    weights = [w.numpy() for w in model.weights]
-    x, y = _nan_data(batches)
-    with pytest.raises(tf.errors.InvalidArgumentError,
-                       match=r"min_loss_scale=1\.0.*gradients: 1\b"):
-        model.fit(x, y, batch_size=_BATCH_SIZE, shuffle=False, verbose=0,
-                  callbacks=callbacks)
-    for weight, before in zip(model.weights, weights):
-        np.testing.assert_array_equal(weight.numpy(), before)
-    assert int(optimizer.iterations.numpy()) == 0
-
-
-@pytest.mark.usefixtures("keras_isolation")
-def test_train_on_batch_under_xla_carries_out_the_limit_without_help():
+def test_train_on_batch_under_xla_with_xla_checks_carries_out_the_limit():
     loss_scale = tf_lossscale.DynamicLossScale(
         initial_loss_scale=1, max_consecutive_skips=2)
     model, optimizer = _compiled(loss_scale, _FIT_MODES["xla"])
+    train_on_batch = tf_lossscale.with_xla_checks(model.train_on_batch,
+                                                  optimizer)
     x, y = _nan_data(1)
-    model.train_on_batch(x, y)
+    train_on_batch(x, y)
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=r"in a row for non-finite gradients: 2\b"):
-        model.train_on_batch(x, y)
+        train_on_batch(x, y)
     assert _state(loss_scale)["consecutive_skips"] == 2
     assert int(optimizer.iterations.numpy()) == 0
 
@@ -418,9 +400,9 @@ def test_fit_under_xla_raises_with_either_callback(host):
 
 
 @pytest.mark.usefixtures("keras_isolation")
-def test_later_fits_reusing_the_compiled_xla_step_still_raise():
-    # The first fit compiled the step; later fits reuse it without
-    # compiling again, and are still checked after every call.
+def test_later_watched_fits_still_raise_and_resume_after_the_error():
+    # Each fit with XlaChecks traces its step under its own watch (the
+    # previous one's ended with that fit); all are checked after every call.
     loss_scale = tf_lossscale.DynamicLossScale(
         initial_loss_scale=1, on_min_loss_scale="raise")
     model, optimizer = _compiled(loss_scale, _FIT_MODES["xla"])
@@ -484,9 +466,9 @@ def test_custom_xla_step_of_two_steps_raises_after_the_call_unchanged():
 
 
 @pytest.mark.parametrize("kwargs", [
-    dict(), dict(on_min_loss_scale="warn"), dict(on_min_loss_scale="raise"),
+    dict(on_min_loss_scale="warn"), dict(on_min_loss_scale="raise"),
     dict(max_consecutive_skips=3)],
-                         ids=["continue", "warn", "raise", "max_skips"])
+                         ids=["warn", "raise", "max_skips"])
 def test_unwatched_xla_step_fails_before_it_runs_naming_the_fix(kwargs):
     # XLA drops assertion ops and cannot print: a step whose checks nobody
     # carries out would silently lose them.

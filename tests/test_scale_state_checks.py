@@ -247,3 +247,217 @@ def test_keras_file_holding_a_nan_scale_fails_at_the_first_step(
     with pytest.raises(tf.errors.InvalidArgumentError, match="nan"):
         _fit(loaded)
     _assert_unchanged(state, before)
+
+
+# ---------------------------------------------------------------------------
+# Every counter: hysteresis_remaining in [0, hysteresis], consecutive_skips
+# and good_steps >= 0, on every path; the message names every field.
+
+
+_COUNTING_RULE = dict(initial_loss_scale=8, increment_period=5, hysteresis=3,
+                      max_consecutive_skips=4)
+_BAD_COUNTERS = {
+    "budget_negative": ("hysteresis_remaining", -1),
+    "budget_above_hysteresis": ("hysteresis_remaining", 4),
+    "skips_negative": ("consecutive_skips", -1),
+    "good_steps_negative": ("good_steps", -2),
+}
+
+
+def _by_name(loss_scale):
+    return {re.sub(r"(_\d+)?:\d+$", "", v.name): v
+            for v in loss_scale.variables}
+
+
+def _names_every_field(message, bad_field, bad_value):
+    # Eagerly and under XLA "name=value"; a graph's assertion prints
+    # "[name =] [value]".
+    for field in ("current_loss_scale", "good_steps", "hysteresis_remaining",
+                  "consecutive_skips"):
+        assert re.search(rf"{field}[\s=\[\]]+-?\d", message), (field, message)
+    assert re.search(rf"{bad_field}[\s=\[\]]+{bad_value}\b", message), message
+
+
+@pytest.mark.parametrize("bad", _BAD_COUNTERS)
+@pytest.mark.parametrize("mode", _MODES)
+def test_assigned_bad_counter_fails_the_next_update_naming_every_field(
+        mode, bad):
+    field, value = _BAD_COUNTERS[bad]
+    loss_scale = tf_lossscale.DynamicLossScale(**_COUNTING_RULE)
+    loss_scale.update([tf.constant(1.0)])
+    _by_name(loss_scale)[field].assign(value)
+    before = _values(loss_scale.variables)
+    for finite in (True, False):
+        with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+            _update(mode, loss_scale, [tf.constant(1.0 if finite else _NAN)])
+        _names_every_field(str(raised.value), field, value)
+        _assert_unchanged(loss_scale.variables, before)
+
+
+@pytest.mark.parametrize("bad", _BAD_COUNTERS)
+def test_bad_counter_fails_in_tf1_session_without_changing_variables(bad):
+    field, value = _BAD_COUNTERS[bad]
+    with tf.Graph().as_default():
+        loss_scale = tf_lossscale.DynamicLossScale(**_COUNTING_RULE)
+        grads = tf.compat.v1.placeholder(tf.float32, [])
+        update_op, _ = loss_scale.update([grads])
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            session.run(_by_name(loss_scale)[field].assign(value))
+            before = session.run(list(loss_scale.variables))
+            with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+                session.run(update_op, {grads: 1.0})
+            after = session.run(list(loss_scale.variables))
+    _names_every_field(str(raised.value), field, value)
+    assert after == before
+
+
+@pytest.mark.parametrize("mode", _MODES)
+def test_counters_the_rule_can_reach_pass_the_check(mode):
+    # H at 0 and at hysteresis, C past max_consecutive_skips (training may be
+    # resumed after that error), G past increment_period (TensorFlow's rule
+    # grows at the next finite step).
+    for field, value in [("hysteresis_remaining", 0),
+                         ("hysteresis_remaining", 3),
+                         ("consecutive_skips", 9), ("good_steps", 5000)]:
+        loss_scale = tf_lossscale.DynamicLossScale(**_COUNTING_RULE)
+        _by_name(loss_scale)[field].assign(value)
+        assert bool(_update(mode, loss_scale, [tf.constant(1.0)])[-1]
+                    if mode == "eager" else
+                    _update(mode, loss_scale, [tf.constant(1.0)]))
+
+
+def test_good_steps_past_the_period_grow_at_the_next_step_as_in_tensorflow(
+        tmp_path):
+    # A checkpoint written with another increment_period: TensorFlow's rule
+    # grows at the next finite step, and so does ours.
+    saved = tf_lossscale.DynamicLossScale(8, increment_period=50)
+    _by_name(saved)["good_steps"].assign(12)
+    path = tf.train.Checkpoint(loss_scale=saved).write(
+        os.path.join(tmp_path, "ckpt"))
+    ours = tf_lossscale.DynamicLossScale(8, increment_period=5)
+    reference = tf.compat.v1.mixed_precision.DynamicLossScale(
+        8, increment_period=5)
+    for index, loss_scale in enumerate((ours, reference)):
+        checkpoint = tf.train.Checkpoint(loss_scale=loss_scale)
+        checkpoint.read(path).assert_consumed()
+        loss_scale.update([tf.constant(1.0)])
+        checkpoint.write(os.path.join(tmp_path, f"after_{index}"))
+    assert float(ours()) == float(reference()) == 16.0
+    good_steps = [tf.train.load_variable(
+        os.path.join(tmp_path, f"after_{index}"),
+        "loss_scale/good_steps/.ATTRIBUTES/VARIABLE_VALUE") for index in (0, 1)]
+    assert good_steps[0] == good_steps[1] == 0
+
+
+@pytest.mark.parametrize("bad", ["budget_negative", "skips_negative"])
+@pytest.mark.parametrize("mode", _MODES)
+def test_checkpoint_with_a_bad_counter_fails_at_the_first_step(
+        mode, bad, tmp_path):
+    field, value = _BAD_COUNTERS[bad]
+    saved = tf_lossscale.DynamicLossScale(**_COUNTING_RULE)
+    _by_name(saved)[field].assign(value)
+    path = tf.train.Checkpoint(loss_scale=saved).write(
+        os.path.join(tmp_path, "ckpt"))
+
+    restored = tf_lossscale.DynamicLossScale(**_COUNTING_RULE)
+    tf.train.Checkpoint(loss_scale=restored).read(path).assert_consumed()
+    assert int(_by_name(restored)[field].numpy()) == value
+    before = _values(restored.variables)
+    with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+        _update(mode, restored, [tf.constant(_NAN)])
+    _names_every_field(str(raised.value), field, value)
+    _assert_unchanged(restored.variables, before)
+
+
+def _counting_model(compile_args=None):
+    model = keras_models.tiny_model()
+    optimizer = tf_lossscale.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.9),
+        loss_scale=tf_lossscale.DynamicLossScale(**_COUNTING_RULE))
+    model.compile(optimizer, "mse", **(compile_args or {}))
+    return model, optimizer
+
+
+@pytest.mark.usefixtures("keras_isolation")
+@pytest.mark.parametrize("bad", ["budget_negative", "skips_negative"])
+@pytest.mark.parametrize("xla", [False, True], ids=["tf_function", "xla"])
+def test_keras_file_with_a_bad_counter_fails_at_the_first_step(
+        tmp_path, xla, bad):
+    field, value = _BAD_COUNTERS[bad]
+    model, optimizer = _counting_model()
+    _fit(model)
+    _by_name(optimizer.loss_scale)[field].assign(value)
+    path = os.path.join(tmp_path, "model.keras")
+    model.save(path)
+
+    loaded = keras.models.load_model(path)
+    loaded.compile(loaded.optimizer, "mse", jit_compile=xla)
+    assert int(_by_name(loaded.optimizer.loss_scale)[field].numpy()) == value
+    state = _all_state(loaded, loaded.optimizer)
+    before = _values(state)
+    with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+        _fit(loaded)
+    _names_every_field(str(raised.value), field, value)
+    _assert_unchanged(state, before)
+
+
+def _rewritten(path, h5_path, value, tmp_path):
+    """A copy of the .keras file at `path` whose weights hold `value` at
+    `h5_path` (a crafted or damaged file)."""
+    import h5py  # pylint: disable=g-import-not-at-top
+    import zipfile  # pylint: disable=g-import-not-at-top
+
+    weights = os.path.join(tmp_path, "model.weights.h5")
+    with zipfile.ZipFile(path) as original:
+        original.extract("model.weights.h5", tmp_path)
+        names = [n for n in original.namelist() if n != "model.weights.h5"]
+        others = {n: original.read(n) for n in names}
+    with h5py.File(weights, "r+") as store:
+        del store[h5_path]
+        store[h5_path] = value
+    crafted = os.path.join(tmp_path, "crafted.keras")
+    with zipfile.ZipFile(crafted, "w") as copy:
+        for name, data in others.items():
+            copy.writestr(name, data)
+        copy.write(weights, "model.weights.h5")
+    return crafted
+
+
+_UNHOLDABLE = {
+    "good_steps_fraction": (1, "good_steps", np.float64(1.5), "1.5"),
+    "good_steps_nan": (1, "good_steps", np.float64(_NAN), "nan"),
+    "good_steps_huge": (1, "good_steps", np.float64(1e30), "1e+30"),
+    "skips_fraction": (3, "consecutive_skips", np.float32(0.5), "0.5"),
+    "budget_vector": (2, "hysteresis_remaining", np.arange(3),
+                      "shape (3,)"),
+    "scale_text": (0, "current_loss_scale", np.bytes_(b"8"), "b'8'"),
+}
+
+
+@pytest.mark.usefixtures("keras_isolation")
+@pytest.mark.parametrize("case", _UNHOLDABLE)
+def test_keras_file_value_a_variable_cannot_hold_is_refused_at_load(
+        tmp_path, case):
+    index, field, value, shown = _UNHOLDABLE[case]
+    model, optimizer = _counting_model()
+    _fit(model)
+    path = os.path.join(tmp_path, "model.keras")
+    model.save(path)
+    crafted = _rewritten(path, f"optimizer/vars/loss_scale.{index}", value,
+                         tmp_path)
+
+    # Keras reports what a saveable raised as a ValueError that quotes it.
+    with pytest.raises(ValueError) as raised:
+        keras.models.load_model(crafted)
+    message = str(raised.value)
+    assert f"loss scale's {field} in this file cannot be loaded" in message
+    assert shown in message
+
+    # Into a model that trains on: the optimizer's variables stay as they
+    # were (weights, slots, the loss scale's state).
+    state = optimizer.variables
+    before = _values(state)
+    with pytest.raises(ValueError, match=f"loss scale's {field}"):
+        model.load_weights(crafted)
+    _assert_unchanged(state, before)

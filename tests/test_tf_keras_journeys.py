@@ -34,7 +34,8 @@ JOURNEYS = [
     "configs_written_by_tf_keras_wrapper_load",
     "fixed_scale_that_skips_non_finite_steps",
     "loss_scale_monitor_logs_to_history_csv_and_tensorboard",
-    "xla_fit_carries_out_the_failure_policy_without_a_callback",
+    "xla_fit_needs_a_watcher_for_the_failure_policy",
+    "loss_scale_state_from_a_file_is_checked_field_by_field",
 ]
 
 

@@ -298,19 +298,33 @@ def fixed_scale_that_skips_non_finite_steps():
 
 
 @journey
-def xla_fit_carries_out_the_failure_policy_without_a_callback():
-    # jit_compile=True, as on a GPU; no XlaChecks and no monitor.
+def xla_fit_needs_a_watcher_for_the_failure_policy():
+    # jit_compile=True, as on a GPU: without a watcher the step fails before
+    # it runs, naming the fix; with XlaChecks it raises at the floor.
     loss_scale = tf_lossscale.DynamicLossScale(1.0, on_min_loss_scale="raise")
     model = _model()
     optimizer = tf_lossscale.LossScaleOptimizer(keras.optimizers.SGD(0.01),
                                                 loss_scale=loss_scale)
     model.compile(optimizer=optimizer, loss="mse", jit_compile=True)
     x, y = _data()
-    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    weights = model.get_weights()
+    try:
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    except RuntimeError as error:
+        assert "tf_lossscale.XlaChecks()" in str(error), error
+    else:
+        raise AssertionError("an unwatched XLA step ran")
+    for now, before in zip(model.get_weights(), weights):
+        np.testing.assert_array_equal(now, before)
+    checks = tf_lossscale.XlaChecks()
+    assert isinstance(checks, keras.callbacks.Callback)
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0,
+              callbacks=[checks])
     weights = model.get_weights()
     x, y = _data(nan_batches=[0], batches=2)
     try:
-        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0,
+                  callbacks=[checks])
     except tf.errors.InvalidArgumentError as error:
         assert "min_loss_scale=1.0" in str(error), error
     else:
@@ -318,6 +332,47 @@ def xla_fit_carries_out_the_failure_policy_without_a_callback():
     for now, before in zip(model.get_weights(), weights):
         np.testing.assert_array_equal(now, before)
     assert int(optimizer.iterations) == 6
+
+
+@journey
+def loss_scale_state_from_a_file_is_checked_field_by_field():
+    # set_weights (what .h5 and .keras files go through): a counter an int64
+    # cannot hold exactly is refused before anything is assigned, naming it;
+    # an out-of-range counter loads and the first step refuses it.
+    loss_scale = tf_lossscale.DynamicLossScale(8.0, 5, hysteresis=3,
+                                               max_consecutive_skips=4)
+    model, _ = _fit(tf_lossscale.LossScaleOptimizer(
+        keras.optimizers.SGD(0.01), loss_scale=loss_scale), batches=1)
+    optimizer = model.optimizer
+    weights = optimizer.get_weights()
+    first = len(weights) - len(loss_scale.variables) - 2  # Then the wrapper's.
+    for index, value, field in [(1, 1.5, "good_steps"),
+                                (1, np.nan, "good_steps"),
+                                (3, 1e30, "consecutive_skips"),
+                                (2, np.zeros(3), "hysteresis_remaining")]:
+        crafted = list(weights)
+        crafted[first + index] = np.asarray(value)
+        try:
+            optimizer.set_weights(crafted)
+        except ValueError as error:
+            assert f"loss scale's {field} in this file" in str(error), error
+        else:
+            raise AssertionError(f"{field}={value!r} was loaded")
+        for now, before in zip(optimizer.get_weights(), weights):
+            np.testing.assert_array_equal(now, before)
+    loss_scale.variables[2].assign(-1)
+    path = os.path.join(_TMP, "bad_budget.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert int(loaded.optimizer.loss_scale.variables[2].numpy()) == -1
+    try:
+        loaded.fit(*_data(batches=1), batch_size=8, verbose=0)
+    except tf.errors.InvalidArgumentError as error:
+        assert "hysteresis_remaining" in str(error), error
+        assert "-1" in str(error), error
+    else:
+        raise AssertionError("hysteresis_remaining=-1 trained on")
+    assert int(loaded.optimizer.iterations) == 1
 
 
 @journey

@@ -58,6 +58,7 @@ from tf_lossscale import loss_scaled_step
 from tf_lossscale import optimizer_arguments
 from tf_lossscale import optimizer_protocol
 from tf_lossscale import optimizer_saving
+from tf_lossscale import xla_checks
 
 
 @keras.saving.register_keras_serializable(package="tf_lossscale")
@@ -201,7 +202,9 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
                     "The first apply needs trainable_variables, or call "
                     "optimizer.build(variables) first")
             # build opens the optimizer's name scope itself.
-            self.build(trainable_variables)
+            with loss_scaled_step.building_outside_traces():
+                self.build(trainable_variables)
+        loss_scaled_step.check_traceable(self._loss_scale)
         variables = trainable_variables or self._trainable_variables
         if not self._caller_unscales:
             # Read before the update below can change the scale.
@@ -225,6 +228,10 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
             "use apply or apply_gradients")
 
     def finalize_variable_values(self, var_list):
+        """The inner optimizer's; first, at the end of `fit`, raises what XLA
+        steps left to the host (one small read, only once a step was
+        traced under XLA: `tf_lossscale.xla_checks`)."""
+        xla_checks.act(self)
         self.inner_optimizer.finalize_variable_values(var_list)
 
     # Saving: see tf_lossscale.optimizer_saving.

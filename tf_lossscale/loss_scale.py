@@ -72,9 +72,11 @@ Without H (hysteresis=1) every non-finite step backs off. A failing step has
 already recorded itself in the state (it was skipped); the failure is a
 `tf.errors.InvalidArgumentError`, raised eagerly or by an assertion op in
 graphs. Before any of this, a state that cannot be right (S not finite or
-<= 0, G < 0), for instance restored from a damaged checkpoint or assigned by
-hand, fails the step with an InvalidArgumentError naming the values, and no
-variable changes.
+<= 0, G < 0, H outside [0, hysteresis], C < 0), for instance restored from a
+damaged checkpoint or file or assigned by hand, fails the step with an
+InvalidArgumentError naming every state variable and its value, and no
+variable changes (`tf_lossscale.failure_policy`: the check, the policy and
+their messages).
 
 With its default arguments the rule is TensorFlow's
 `tf.compat.v1.mixed_precision.DynamicLossScale`: arithmetic is float32
@@ -86,25 +88,27 @@ extra variables are `hysteresis_remaining` and `consecutive_skips`; non-default
 arguments appear in `get_config()`.
 
 Under XLA (`jit_compile=True`), where a step can neither fail nor print, the
-step records what the state check and the policy ask for and host-side code
-acts on it after each call, with the same errors and warnings: see
-`tf_lossscale.xla_checks`.
+step records what the state check and the policy ask for
+(`tf_lossscale.xla_record`) and the host acts on it with the same errors and
+warnings (`tf_lossscale.xla_checks`): after each call when the policy asks
+for failures or warnings (a watcher is then required), and otherwise at the
+next eager read of the scale or the end of Keras' `fit`.
 """
 
 import abc
-import sys
 from typing import NamedTuple, Optional
 
 import numpy as np
 import tensorflow as tf
 
 from tf_lossscale import distribution
+from tf_lossscale import failure_policy
 from tf_lossscale import validation
 from tf_lossscale import xla_checks
+from tf_lossscale import xla_record
 
-POLICIES = ("continue", "warn", "raise")
-WARNING_PREFIX = xla_checks.WARNING_PREFIX
-_FLOAT32_INF_BITS = 0x7F800000
+POLICIES = failure_policy.POLICIES
+WARNING_PREFIX = failure_policy.WARNING_PREFIX
 
 
 class _DefaultFloor(float):
@@ -123,10 +127,6 @@ _DEFAULT_MIN_LOSS_SCALE = _DefaultFloor(1.0)
 def _graph_op(op):
     """`op` while building a graph; None when executing eagerly."""
     return None if tf.executing_eagerly() else op
-
-
-def _invalid_argument(message):
-    return tf.errors.InvalidArgumentError(None, None, message)
 
 
 def _update_from_grads(loss_scale, grads):
@@ -186,6 +186,27 @@ class LossScale(tf.__internal__.tracking.Trackable, metaclass=abc.ABCMeta):
     def variables(self):
         """The state variables, in creation order (empty if stateless)."""
         return tuple(self._state_variables.values())
+
+    def check_loadable(self, values):
+        """Raises, before anything is assigned, unless each of `values` can
+        be assigned exactly to its variable: the shape, a number, and for
+        counters a whole number an int64 holds
+        (`tf_lossscale.failure_policy.check_loadable`). Whether the state
+        is one the rule can reach is checked at the next step.
+
+        Args:
+          values: one per variable of `variables`, in order, as a file
+            stored them; None for one the file does not hold.
+
+        Raises:
+          TypeError, ValueError: naming the variable and the value.
+        """
+        names = {id(v): name for name, v in
+                 getattr(self, "_state_variables", {}).items()}
+        failure_policy.check_loadable(
+            [((names.get(id(v), v.name), v), value)
+             for v, value in zip(self.variables, values)
+             if value is not None])
 
     def _add_state_variable(self, name, initial_value, dtype):
         variable = tf.Variable(
@@ -424,10 +445,21 @@ class DynamicLossScale(LossScale):
         int: when this many steps in a row were non-finite, the step fails
         like "raise", naming the count and the scale.
 
-    Under XLA the state check, "warn", "raise" and `max_consecutive_skips`
-    are carried out by the host after each compiled call: Keras' `fit` and
-    `train_on_batch` set that up by themselves, a custom XLA step needs
-    `tf_lossscale.with_xla_checks` around it; see `tf_lossscale.xla_checks`.
+    Under XLA (`jit_compile`) a step can neither fail nor print, so the
+    host raises and warns for it, with the same messages (the XLA guide;
+    `tf_lossscale.xla_checks`):
+
+    * with "warn", "raise" or `max_consecutive_skips`, the step can only be
+      traced while a watcher is live: `tf_lossscale.XlaChecks()` or
+      `LossScaleMonitor()` in `fit`'s callbacks, or
+      `tf_lossscale.with_xla_checks` around a custom step or
+      `model.train_on_batch`; otherwise the trace raises a RuntimeError
+      naming these fixes. The watcher acts after each call;
+    * otherwise (the default) no watcher is needed. A state the check
+      refuses halts training (every later step changes nothing) and its
+      InvalidArgumentError is raised at the next eager read of the scale
+      (`loss_scale()`, `optimizer.dynamic_scale`), at the end of `fit`
+      (`finalize_variable_values`) or by a watcher, whichever comes first.
 
     Raises:
       TypeError: an argument is a bool where a number is expected, or of the
@@ -488,9 +520,11 @@ class DynamicLossScale(LossScale):
         if policy != "continue" or skip_limit is not None:
             self._consecutive_skips = self._add_state_variable(
                 "consecutive_skips", 0, tf.int64)
-        # Not state: never saved (see tf_lossscale.xla_checks).
-        self._xla_events = xla_checks.StepEvents(floor, policy, skip_limit,
-                                                 self._strategy)
+        # Not state: never saved (see tf_lossscale.xla_record).
+        self._xla_record = xla_record.StepRecord(
+            self._state_variables, floor,
+            budget if self._hysteresis_remaining is not None else None,
+            policy, skip_limit)
 
     @property
     def initial_loss_scale(self):
@@ -542,6 +576,10 @@ class DynamicLossScale(LossScale):
         return True
 
     def __call__(self):
+        """The current scale; eagerly, first raises what XLA steps left to
+        the host (`tf_lossscale.xla_checks.act`: one small read, only once
+        a step has been traced under XLA)."""
+        xla_checks.act(self)
         return tf.convert_to_tensor(self._current_loss_scale)
 
     def update(self, grads):
@@ -574,18 +612,21 @@ class DynamicLossScale(LossScale):
                                          self._strategy)
         all_finite = tf.convert_to_tensor(all_finite)
         state = self._read_state()
-        if xla_checks.in_xla_context():
-            return self._xla_events.update(
-                state, all_finite, _state_is_valid(state),
+        if xla_record.in_xla_context():
+            return self._xla_record.update(
+                state, all_finite,
+                failure_policy.state_is_valid(state, self._rule.hysteresis),
                 lambda s, f: next_dynamic_state(s, f, self._rule),
                 self._assign_state)
-        state_check = self._check_state(state)
+        state_check = failure_policy.check_state(state, self._rule.hysteresis)
         with tf.control_dependencies(_ops(state_check)):
             new_state, at_floor = next_dynamic_state(
                 state, all_finite, self._rule)
             assignments = self._assign_state(new_state)
         with tf.control_dependencies(assignments):
-            failures = self._apply_failure_policy(new_state, at_floor)
+            failures = failure_policy.apply_policy(
+                new_state, at_floor, self._rule.min_loss_scale,
+                self._on_min_loss_scale, self._max_consecutive_skips)
         if tf.executing_eagerly():
             return None, all_finite
         # The assignments wait for the state check, so running update_op
@@ -618,45 +659,6 @@ class DynamicLossScale(LossScale):
         ]
         return [] if tf.executing_eagerly() else assignments
 
-    def _check_state(self, state):
-        """Fails, changing nothing, unless S is finite and > 0 and G >= 0.
-
-        Eagerly it raises; in graphs it returns the assertion op. A few
-        scalar ops per step, and no formatting op, so XLA compiles it.
-        """
-        scale, good_steps = state.scale, state.good_steps
-        valid = _state_is_valid(state)
-        if tf.executing_eagerly():
-            if not bool(valid):
-                raise _invalid_argument(
-                    xla_checks.invalid_state_message(scale, good_steps))
-            return None
-        return tf.debugging.Assert(
-            valid, [xla_checks.INVALID_STATE, "current_loss_scale =", scale,
-                    "good_steps =", good_steps])
-
-    def _apply_failure_policy(self, new_state, at_floor):
-        """The warning or failures due after this step; ops in graphs."""
-        scale, skips = new_state.scale, new_state.consecutive_skips
-        floor = self._rule.min_loss_scale
-        ops = []
-        policy = self._on_min_loss_scale
-        if policy == "warn":
-            ops += _ops(_warn_if(
-                at_floor, xla_checks.floor_template(floor, policy),
-                (scale, skips)))
-        elif policy == "raise":
-            ops += _ops(_fail_if(
-                at_floor, xla_checks.floor_template(floor, policy),
-                (scale, skips)))
-        limit = self._max_consecutive_skips
-        if limit is not None:
-            with tf.control_dependencies(ops):
-                ops += _ops(_fail_if(
-                    skips >= limit, xla_checks.limit_template(limit),
-                    (skips, scale)))
-        return ops
-
     def get_config(self):
         config = {
             "initial_loss_scale": self._initial_loss_scale,
@@ -683,57 +685,14 @@ class DynamicLossScale(LossScale):
         config = ", ".join(
             f"{name}={value!r}" for name, value in self.get_config().items())
         if tf.executing_eagerly():
-            state = (f"current_loss_scale={float(self())!r}, "
-                     f"good_steps={int(self.good_steps)!r}, ")
+            # The variables, not `self()`: a repr must not raise.
+            state = (f"current_loss_scale="
+                     f"{float(self._current_loss_scale.numpy())!r}, "
+                     f"good_steps={int(self._good_steps.numpy())!r}, ")
             return f"DynamicLossScale({state}{config})"
         return f"DynamicLossScale({config})"
-
-
-def _state_is_valid(state):
-    """A bool tensor: S finite and > 0, and G >= 0."""
-    # On the bits: CPUs that flush subnormals to zero would call a valid
-    # subnormal scale "not > 0". Finite positive float32 values are exactly
-    # the bit patterns strictly between +0 and +inf.
-    bits = tf.bitcast(state.scale, tf.int32)
-    return tf.logical_and(
-        tf.logical_and(bits > 0, bits < _FLOAT32_INF_BITS),
-        state.good_steps >= 0)
 
 
 def _ops(op):
     """[op] for an op or tensor, [] for None (eagerly, nothing to wait on)."""
     return [] if op is None else [op]
-
-
-def _fail_if(condition, template, values):
-    """Fails the step with `template` formatted with `values` if `condition`.
-
-    Eagerly it raises; in graphs it returns the assertion op.
-    """
-    if tf.executing_eagerly():
-        if bool(condition):
-            message = tf.strings.format(template, values)
-            raise _invalid_argument(message.numpy().decode())
-        return None
-    return tf.debugging.Assert(
-        tf.logical_not(condition), [tf.strings.format(template, values)])
-
-
-def _warn_if(condition, template, values):
-    """Prints `template` formatted with `values` to stderr if `condition`.
-
-    tf.print, not Python logging: it prints from inside graphs too, every
-    time the step runs, whatever TF_CPP_MIN_LOG_LEVEL says.
-    """
-
-    def warn():
-        with tf.control_dependencies([tf.print(
-                tf.strings.format(template, values),
-                output_stream=sys.stderr)]):
-            return tf.constant(True)
-
-    if tf.executing_eagerly():
-        if bool(condition):
-            warn()
-        return None
-    return tf.cond(condition, warn, lambda: tf.constant(False))

@@ -20,17 +20,19 @@ gradients. Variables that take their gradient as their new value (Keras'
 float8 scales and amax histories, `overwrite_with_gradient`) get it as
 computed, as Keras' own wrapper does; they are still checked.
 
-Under XLA the loss scale's failures and warnings are acted on by the host
-after each call: `tf_lossscale.xla_checks` (`XlaChecks` in `fit`,
-`with_xla_checks` around a custom step).
+Under XLA a loss scale's failed or refused step halts every later one
+(nothing applied, nothing counted as skipped) until the host has acted on
+its record: `tf_lossscale.xla_record`, `tf_lossscale.xla_checks`.
 """
+
+import contextlib
 
 import tensorflow as tf
 
 from tf_lossscale import distribution
 from tf_lossscale import gradient_checks
 from tf_lossscale import unscaling
-from tf_lossscale import xla_checks
+from tf_lossscale import xla_record
 
 
 def takes_gradient_as_value(variable):
@@ -95,6 +97,33 @@ def _any_replica_nonfinite(grads, positions, size):
             else tf.constant(False) for i in range(size)])
 
     return distribution.any_replica_true(local_flags, grads)
+
+
+@contextlib.contextmanager
+def building_outside_traces():
+    """For a wrapper's first build, which may come inside a traced step:
+    its variables are made eagerly and are not the tf.function's.
+
+    TensorFlow lets a tf.function create variables on its first call only,
+    and a first trace that fails (an XLA step without a watcher,
+    `check_traceable`) would leave the function unable to make them later.
+    `experimental_enable_variable_lifting=False` (a documented tf.Variable
+    argument since TF 2.11) keeps the function from counting them.
+    """
+
+    def not_lifted(next_creator, **kwargs):
+        kwargs["experimental_enable_variable_lifting"] = False
+        return next_creator(**kwargs)
+
+    with tf.init_scope(), tf.variable_creator_scope(not_lifted):
+        yield
+
+
+def check_traceable(loss_scale):
+    """Call first in an apply, before anything is built: under XLA, a loss
+    scale whose failures need a watcher and has none fails the trace here
+    (`tf_lossscale.xla_record`), before variables are created in it."""
+    xla_record.check_watched(loss_scale)
 
 
 def update_loss_scale(loss_scale, grads):
@@ -162,8 +191,8 @@ def _apply_or_skip_cross_replica(loss_scale, grads, variables, apply_fn,
 
     # Under XLA a step that failed (or was refused) changes nothing more, as
     # the error would have stopped it without XLA; the host raises after the
-    # call (tf_lossscale.xla_checks).
-    halted = xla_checks.halted(loss_scale)
+    # call, or later (tf_lossscale.xla_checks).
+    halted = xla_record.halted(loss_scale)
     if halted is not None:
         record_skip = skip
         skip = lambda: tf.cond(halted, lambda: _done([]), record_skip)  # pylint: disable=unnecessary-lambda-assignment

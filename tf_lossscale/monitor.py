@@ -1,4 +1,6 @@
-"""`LossScaleMonitor`: the loss scale and the skipped steps in Keras' logs.
+"""`LossScaleMonitor` and `XlaChecks`: the Keras callbacks.
+
+`LossScaleMonitor` puts the loss scale and the skipped steps in Keras' logs:
 
     model.fit(x, y, callbacks=[tf_lossscale.LossScaleMonitor(),
                                keras.callbacks.CSVLogger("log.csv")])
@@ -16,11 +18,13 @@ Everything after the monitor sees them: the progress bar, `History.history`,
 `CSVLogger` columns, `keras.callbacks.TensorBoard` scalars (`batch_loss_scale`,
 `epoch_loss_scale`, ...). Callbacks listed before it do not.
 
-Cost: three small reads from the device per batch end, nothing in the train
-step itself. It also carries out what an XLA-compiled step leaves to the
-host (`XlaChecks`), so with it no `XlaChecks` is needed. Under a
-`tf.distribute` strategy every replica holds the same
-values (all replicas take the same skip decision), so the first replica's are
+Cost: two small reads from the device per batch end (the scale and the
+count), nothing in the train step itself. It also does what `XlaChecks`
+does, so with it no `XlaChecks` is needed: it watches the fit's XLA step,
+and its read of the scale carries out what that step left to the host (one
+more small read per batch end, only once a step has been traced under
+XLA). Under a `tf.distribute` strategy every replica holds the same values
+(all replicas take the same skip decision), so the first replica's are
 read.
 
 With `verbose=True` skipped steps are also printed, rate-limited: the first
@@ -36,11 +40,12 @@ ends is printed then.
 
 tf-keras (Keras 2) models need a tf-keras callback: with
 `TF_USE_LEGACY_KERAS=1` (when `tf.keras` is tf-keras) `LossScaleMonitor()`
-is one; with `tf_keras` imported directly, use
-`LossScaleMonitor.for_tf_keras()`. That class is created on first use, so
-Keras 3 users never import tf_keras.
+and `XlaChecks()` are ones; with `tf_keras` imported directly, use
+`LossScaleMonitor.for_tf_keras()` and `XlaChecks.for_tf_keras()`. Those
+classes are created on first use, so Keras 3 users never import tf_keras.
 """
 
+import contextlib
 import functools
 
 import keras
@@ -109,46 +114,131 @@ class _Burst:
                 f"{self.scale_before!r} -> {self.scale_after!r}")
 
 
-def _reengaged(checks, optimizer):
-    """New `HostChecks` for `optimizer`, after closing `checks`: a fit that
-    failed outside the callbacks never called on_train_end."""
-    if checks is not None:
-        checks.close()
-    return xla_checks.HostChecks(optimizer)
+class _FitWatch:
+    """The XLA watch a callback keeps over one `fit` (`xla_checks.Watch`).
+
+    Live while the model still runs the train function it had when training
+    began: `compile` replaces that function, so a watch that a fit which
+    died left behind does not vouch for the step of a later fit.
+
+    The model's train function is made anew (`make_train_function(force=
+    True)`, public in Keras 3 and tf-keras), for a loss scale that needs the
+    host on a model compiled with XLA, twice:
+
+    * when the watch starts: the step is traced under this watch, even if a
+      function made earlier was traced without one, or failed its first
+      trace for want of one (TensorFlow may not trace that function again);
+    * when the watch ends, if a step was traced under it: a later `fit`
+      without a watcher then fails before its first step, naming the fixes,
+      instead of running a compiled step that nobody checks. The cost: that
+      later fit compiles its step again.
+    """
+
+    def __init__(self, model, optimizer):
+        self._model = model
+        if xla_checks.needs_watch(optimizer) and getattr(
+                model, "jit_compile", False) is True:
+            self._make_train_function()
+        train_function = getattr(model, "train_function", None)
+        self._watch = xla_checks.Watch(
+            optimizer, is_live=lambda: getattr(
+                model, "train_function", None) is train_function)
+        self._watch.start()
+
+    def _make_train_function(self):
+        make_train_function = getattr(self._model, "make_train_function", None)
+        if make_train_function is not None:
+            make_train_function(force=True)
+
+    def end(self, retrace=True):
+        self._watch.end()
+        if retrace and self._watch.traced:
+            self._watch.traced = False
+            self._make_train_function()
+
+    @contextlib.contextmanager
+    def ending_on_error(self):
+        """Ends the watch if the body raises: Keras calls no
+        `on_train_end` after a callback raised."""
+        try:
+            yield
+        except BaseException:
+            self.end()
+            raise
 
 
-class XlaChecks(keras.callbacks.Callback):
+def _rewatch(watch, model, optimizer, act=True):
+    """A new `_FitWatch` of `model`, once `optimizer`'s record holds nothing
+    (acting on it raises what unwatched calls left; `act=False` for a caller
+    that reads the scale next, which acts); `watch`, left by a fit that died
+    (no `on_train_end`), ends first."""
+    if watch is not None:
+        watch.end(retrace=False)
+    if act:
+        xla_checks.act(optimizer)
+    return _FitWatch(model, optimizer)
+
+
+class _XlaChecks:
+    """`XlaChecks` for either framework's Callback base (the next class in
+    the MRO)."""
+
+    def __init__(self):
+        super().__init__()
+        self._watch = None
+
+    def on_train_begin(self, logs=None):
+        optimizer = getattr(self.model, "optimizer", None)
+        _check_optimizer(optimizer)
+        self._watch = _rewatch(self._watch, self.model, optimizer)
+
+    def on_train_batch_end(self, batch, logs=None):
+        with self._watch.ending_on_error():
+            xla_checks.act(self.model.optimizer)
+
+    def on_train_end(self, logs=None):
+        self._watch.end()
+
+
+class XlaChecks(_XlaChecks, keras.callbacks.Callback):
     """Carries out, after each batch, what an XLA-compiled step cannot.
 
     Under XLA (`jit_compile`, Keras' default when a GPU is visible) a step can
     neither fail nor print, so `DynamicLossScale`'s state check,
     `on_min_loss_scale="raise"`/`"warn"` and `max_consecutive_skips` are
-    carried out on the host after each executed call (`steps_per_execution`
-    steps), with the same errors and warnings. `fit` and `train_on_batch`
-    engage those checks by themselves; this callback (or a
-    `LossScaleMonitor`, which does the same) engages them explicitly, for a
-    trainer that calls its step otherwise. Without XLA it costs one scalar
-    read per batch and does nothing else.
+    carried out on the host, with the same errors and warnings. This
+    callback (or a `LossScaleMonitor`, which does the same) watches `fit`:
+    a loss scale with "warn", "raise" or `max_consecutive_skips` can only be
+    traced under XLA while a watcher is live, and the callback acts after
+    each executed call (`steps_per_execution` steps), with one small read.
+    Without XLA it reads nothing and does nothing.
+
+    The watch lasts from `on_train_begin` to `on_train_end`, and only while
+    the model keeps the train function it began with. If a step was traced
+    under it, `on_train_end` makes the model trace its step again
+    (`make_train_function(force=True)`), so that a later `fit` without a
+    watcher fails before its first step (naming the fixes) instead of
+    running unchecked; that later fit compiles its step again.
 
     Raises:
       TypeError: at the start of training, the model's optimizer is not a
         `tf_lossscale.LossScaleOptimizer`.
+
+    With `TF_USE_LEGACY_KERAS=1` the object made is a tf-keras callback
+    (`for_tf_keras`).
     """
 
-    def __init__(self):
-        super().__init__()
-        self._checks = None
+    def __new__(cls, *args, **kwargs):
+        if cls is XlaChecks and optimizer_protocol.tf_keras_is_tf_keras():
+            return cls.for_tf_keras(*args, **kwargs)
+        return super().__new__(cls)
 
-    def on_train_begin(self, logs=None):
-        optimizer = getattr(self.model, "optimizer", None)
-        _check_optimizer(optimizer)
-        self._checks = _reengaged(self._checks, optimizer)
-
-    def on_train_batch_end(self, batch, logs=None):
-        self._checks.check()
-
-    def on_train_end(self, logs=None):
-        self._checks.close()
+    @staticmethod
+    def for_tf_keras():
+        """The callback as a `tf_keras.callbacks.Callback`, for tf-keras'
+        `fit`."""
+        return _tf_keras_class(_XlaChecks, "TfKerasXlaChecks",
+                               XlaChecks.__doc__)()
 
 
 class _Monitor:
@@ -166,10 +256,12 @@ class _Monitor:
         self._step = 0
         self._epoch_first_step = 0
         self._burst = None
-        self._checks = None
+        self._watch = None
 
     def _read(self):
         # One device read each, and nothing else: this runs after every batch.
+        # Reading the scale first acts on what XLA steps left to the host
+        # (one more small read, once a step was traced under XLA).
         return (float(self._optimizer.loss_scale()),
                 int(self._optimizer.skipped_steps))
 
@@ -177,8 +269,8 @@ class _Monitor:
         optimizer = getattr(self.model, "optimizer", None)
         _check_optimizer(optimizer)
         self._optimizer = optimizer
-        self._checks = _reengaged(self._checks, optimizer)
         self._scale, self._skipped = self._read()
+        self._watch = _rewatch(self._watch, self.model, optimizer, act=False)
         self._step = 0
         self._epoch_first_step = 0
         self._burst = None
@@ -189,8 +281,8 @@ class _Monitor:
     def on_train_batch_end(self, batch, logs=None):
         # Under XLA the step's failures and warnings come first, as they
         # would without XLA (see XlaChecks).
-        self._checks.check()
-        scale, skipped = self._read()
+        with self._watch.ending_on_error():
+            scale, skipped = self._read()
         if logs is not None:
             logs["loss_scale"] = scale
             logs["skipped_steps"] = skipped
@@ -204,10 +296,11 @@ class _Monitor:
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
-            logs["loss_scale"], logs["skipped_steps"] = self._read()
+            with self._watch.ending_on_error():
+                logs["loss_scale"], logs["skipped_steps"] = self._read()
 
     def on_train_end(self, logs=None):
-        self._checks.close()
+        self._watch.end()
         self._end_burst()
 
     # Verbose mode.
@@ -272,14 +365,15 @@ class LossScaleMonitor(_Monitor, keras.callbacks.Callback):
     def for_tf_keras(verbose=False):
         """The monitor as a `tf_keras.callbacks.Callback`, for tf-keras'
         `fit`."""
-        return _tf_keras_monitor_class()(verbose)
+        return _tf_keras_class(_Monitor, "TfKerasLossScaleMonitor",
+                               LossScaleMonitor.__doc__)(verbose)
 
 
 @functools.lru_cache(maxsize=None)
-def _tf_keras_monitor_class():
+def _tf_keras_class(mixin, name, doc):
+    """`mixin` on tf-keras' Callback base; made on first use, so Keras 3
+    users never import tf_keras."""
     import tf_keras  # pylint: disable=g-import-not-at-top
 
-    class TfKerasLossScaleMonitor(_Monitor, tf_keras.callbacks.Callback):
-        __doc__ = LossScaleMonitor.__doc__
-
-    return TfKerasLossScaleMonitor
+    return type(name, (mixin, tf_keras.callbacks.Callback),
+                {"__doc__": doc, "__module__": __name__})

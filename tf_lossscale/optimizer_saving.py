@@ -159,6 +159,11 @@ def load_own_variables(optimizer, store):
     (typically: not built yet) is left untouched with a warning, the loss
     scale included: a restored scale with fresh counters and slots would be
     a state no training run ever had.
+
+    Raises:
+      TypeError, ValueError: a stored loss-scale value cannot be assigned
+        exactly to its variable (`LossScale.check_loadable`); nothing was
+        assigned.
     """
     if _is_plain_store(optimizer, store):
         for index, variable in enumerate(optimizer.inner_optimizer.variables):
@@ -178,12 +183,18 @@ def load_own_variables(optimizer, store):
             "optimizer.build(model.trainable_variables) before loading.",
             stacklevel=3)
         return
+    loss_scale = optimizer.loss_scale
+    keys = [_LOSS_SCALE_KEY.format(index)
+            for index in range(len(loss_scale.variables))]
+    # Older files lack the state added since.
+    stored_scale = [store[key] if key in store.keys() else None
+                    for key in keys]
+    loss_scale.check_loadable(stored_scale)  # Before anything is assigned.
     for index, variable in enumerate(indexed):
         variable.assign(store[str(index)])
-    for index, variable in enumerate(optimizer.loss_scale.variables):
-        key = _LOSS_SCALE_KEY.format(index)
-        if key in store.keys():
-            variable.assign(store[key])
+    for variable, value in zip(loss_scale.variables, stored_scale):
+        if value is not None:
+            variable.assign(value)
     for key, variable in _later_state(optimizer):
         if key in store.keys() and tuple(store[key].shape) == tuple(
                 variable.shape):

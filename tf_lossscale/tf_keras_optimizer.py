@@ -41,6 +41,7 @@ from tf_lossscale import legacy_configs
 from tf_lossscale import loss_scaled_step
 from tf_lossscale import optimizer_arguments
 from tf_lossscale import optimizer_protocol
+from tf_lossscale import xla_checks
 
 _NEW_BASE = tf_keras.optimizers.Optimizer
 _LEGACY_BASE = tf_keras.optimizers.legacy.Optimizer
@@ -120,9 +121,10 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
     def _build(self, var_list):
         """Builds the inner optimizer and the per-variable overflow flags."""
         var_list = list(var_list)
-        self._build_inner(var_list)
+        with loss_scaled_step.building_outside_traces():
+            self._build_inner(var_list)
         if self._last_nonfinite is None:
-            with tf.init_scope():
+            with loss_scaled_step.building_outside_traces():
                 # One flag per variable, written only on skipped steps.
                 flags = tf.Variable(
                     tf.zeros([len(var_list)], tf.int32),
@@ -145,13 +147,18 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
         return [variable.numpy() for variable in self._all_variables()]
 
     def set_weights(self, weights):
-        """Sets every variable of `variables`, in that order (.h5 files)."""
+        """Sets every variable of `variables`, in that order (.h5 files);
+        nothing if the loss scale's values cannot be assigned exactly
+        (`LossScale.check_loadable` raises first)."""
         variables = self._all_variables()
         if len(weights) != len(variables):
             raise ValueError(
                 f"LossScaleOptimizer has {len(variables)} variables, got "
                 f"{len(weights)} values: build it first with "
                 "optimizer.build(model.trainable_variables)")
+        first = len(self._inner_variables())
+        self._loss_scale.check_loadable(
+            weights[first:first + len(self._loss_scale.variables)])
         for variable, value in zip(variables, weights):
             variable.assign(value)
 
@@ -194,6 +201,7 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
         self.check_unscaled()
         optimizer_protocol.check_replica_context()
         distribution.check_supported()
+        loss_scaled_step.check_traceable(self._loss_scale)
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]
         if not pairs:
             raise ValueError("No gradients provided for any variable")
@@ -257,6 +265,13 @@ class LossScaleOptimizer(_TfKerasWrapper, tf_keras_lso.LossScaleOptimizerV3):
 
     def build(self, var_list):
         self._build(var_list)
+
+    def finalize_variable_values(self, var_list):
+        """tf-keras' wrapper's; first, at the end of `fit`, raises what XLA
+        steps left to the host (`tf_lossscale.xla_checks`). tf-keras' `fit`
+        calls it for this class only, not for the legacy one."""
+        xla_checks.act(self)
+        super().finalize_variable_values(var_list)
 
     @property
     def variables(self):
