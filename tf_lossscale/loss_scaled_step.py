@@ -113,7 +113,8 @@ def update_loss_scale(loss_scale, grads):
     return update_from_flag(distribution.all_replicas_finite(grads))
 
 
-def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record):
+def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record,
+                  stats=None):
     """One step: update the scale, then apply in every replica or skip.
 
     May be called in a replica context (inside `strategy.run`, `fit`'s train
@@ -129,6 +130,10 @@ def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record):
         return an op or tensor to wait on.
       skip_record: the `SkipRecord` written on skipped steps, or None to
         record nothing (a wrapper whose checkpoints hold no such state).
+      stats: None (the default: the step holds nothing more), or the
+        opted-in per-step gradient statistics of
+        `tf_lossscale.step_gradient_stats`, written on every step, applied
+        or skipped, from the gradients and the scale they ran with.
 
     Returns:
       None eagerly; in graphs an op that runs the whole step (TF1 callers
@@ -138,14 +143,16 @@ def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record):
     # back regrouped per replica, callables included.
     def cross_replica_step(grads, variables):
         return _apply_or_skip_cross_replica(
-            loss_scale, grads, variables, apply_fn, skip_record)
+            loss_scale, grads, variables, apply_fn, skip_record, stats)
 
     return distribution.call_in_cross_replica_context(
         cross_replica_step, grads, variables)
 
 
 def _apply_or_skip_cross_replica(loss_scale, grads, variables, apply_fn,
-                                 skip_record):
+                                 skip_record, stats=None):
+    # Before the update: the statistics are of the scale the step ran with.
+    stats_op = None if stats is None else stats.write(grads, loss_scale())
     update_op, should_apply = update_loss_scale(loss_scale, grads)
 
     def apply_in_every_replica():
@@ -174,7 +181,8 @@ def _apply_or_skip_cross_replica(loss_scale, grads, variables, apply_fn,
         step = tf.cond(should_apply, apply_in_every_replica, skip)
     if tf.executing_eagerly():
         return None
-    return tf.group([op for op in (update_op, step) if op is not None])
+    return tf.group([op for op in (update_op, step, stats_op)
+                     if op is not None])
 
 
 def _done(ops):
