@@ -1,0 +1,425 @@
+"""`diagnose`: why a float16 run fails, measured on a few batches.
+
+    report = tf_lossscale.diagnose(model, dataset, steps=8)
+    print(report)              # a readable report
+    report.as_dict()           # the same figures, for code
+    report.plot("float16.png") # needs the "plot" extra (matplotlib)
+
+For each batch the model runs twice, with its weights as they are and
+`training=False` (dropout off, normalization with its moving statistics:
+nothing in the model changes, and both runs compute the same function):
+
+1. in float32, on a float32 twin of the model (`diagnosis_models`): each
+   layer's largest output and output gradient, and each variable's
+   gradient, the reference;
+2. as the model computes (float16 layers in float16), once per probed loss
+   scale (`scales`, powers of 2 from 1 to 2**32 by default): each layer's
+   largest output and whether it is finite, whether any gradient in the
+   backward pass overflowed (outputs' gradients of float16 layers and the
+   variables' gradients), and per variable of a float16 layer the values
+   lost to underflow: zero or subnormal in float16 where the float32
+   gradient is not 0.
+
+The loss is the compiled loss (or `loss=`): the mean of its per-example
+values over the batch, weighted by the batch's sample weights if it has
+them, as Keras' default reduction; the model's regularization losses are
+left out. Under the model's `tf.distribute` strategy each replica runs its
+part of every batch (the batch must split evenly), with its loss scaled to
+its share of the batch as `fit` does; what the replicas measured is
+combined (maxima over replicas, counts summed), so every figure is one
+number for the whole batch. The model, its optimizer, the layers' dtype
+policies and the global policy are left as they were.
+
+`Float16Diagnosis` (`diagnosis_report`) turns the figures into the report
+and its advice.
+"""
+
+import itertools
+
+import numpy as np
+import tensorflow as tf
+
+from tf_lossscale import diagnosis_models
+from tf_lossscale import diagnosis_report
+from tf_lossscale import float16_layers
+from tf_lossscale import gradient_stats
+
+DEFAULT_SCALES = tuple(2.0 ** k for k in range(33))
+
+
+def diagnose(model, data, steps=8, *, loss=None, scales=DEFAULT_SCALES,
+             overflow_tolerance=diagnosis_report.OVERFLOW_TOLERANCE,
+             underflow_tolerance=diagnosis_report.UNDERFLOW_TOLERANCE):
+    """Measures where a float16 model overflows and underflows; returns a
+    `Float16Diagnosis`.
+
+    Args:
+      model: a functional or Sequential Keras model (Keras 3 or tf-keras)
+        with one output, as it trains (e.g. under `mixed_float16`).
+      data: a `tf.data.Dataset` or any iterable of `(x, y)` or
+        `(x, y, sample_weight)` batches, as `fit` takes them.
+      steps: how many batches of `data` to run (fewer if it ends sooner).
+      loss: the loss, as `compile` takes it (a name, a function of
+        `(y_true, y_pred)` or a `Loss`); by default the model's compiled
+        loss.
+      scales: the loss scales to run the float16 backward pass at, > 0,
+        increasing.
+      overflow_tolerance: the share of batches (0 to 1) whose backward pass
+        may overflow at the advised highest scale: 0.05 by default, which
+        with fewer than 20 batches means none.
+      underflow_tolerance: how much more of a variable's gradient may
+        underflow at the advised lowest scale than at the highest (a share,
+        0 to 1).
+
+    Raises:
+      TypeError: the model is not one `diagnose` can run (see above), or a
+        batch is not a tuple of 2 or 3.
+      ValueError: no batch, bad `steps`, `scales` or `underflow_tolerance`,
+        no loss, or a batch that does not split over the replicas.
+    """
+    steps, scales = _checked_steps_and_scales(steps, scales)
+    tolerances = {name: _checked_share(name, value) for name, value in (
+        ("overflow_tolerance", overflow_tolerance),
+        ("underflow_tolerance", underflow_tolerance))}
+    loss_fn = _loss_function(model, loss)
+    batches = _batches(data, steps)
+    run = _Run(model, loss_fn)
+    figures = _Figures(len(scales))
+    for batch in batches:
+        figures.add(run.batch(batch, scales))
+    return diagnosis_report.Float16Diagnosis(
+        layers=run.layer_rows(), variables=run.variable_rows(),
+        scales=list(scales), batches=len(batches),
+        replicas=run.replicas, **tolerances, **figures.totals())
+
+
+# Arguments.
+
+
+def _checked_steps_and_scales(steps, scales):
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    try:
+        scales = [float(scale) for scale in scales]
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"scales must be numbers, got {_summary(scales)}") from err
+    if not scales or not all(0 < s < float("inf") for s in scales) or any(
+            b <= a for a, b in zip(scales, scales[1:])):
+        raise ValueError("scales must be finite numbers > 0 in increasing "
+                         f"order, got {_summary(scales)}")
+    return steps, scales
+
+
+def _checked_share(name, value):
+    if isinstance(value, bool) or not isinstance(
+            value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def _summary(values):
+    text = repr(values)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _loss_function(model, loss):
+    """A function `(y_true, y_pred) -> per-example losses`."""
+    diagnosis_models.check_model(model)
+    identifier = loss if loss is not None else getattr(model, "loss", None)
+    if identifier is None:
+        raise ValueError(
+            f"model {model.name!r} is not compiled with a loss: pass "
+            "loss= (a name, a function of (y_true, y_pred) or a Loss)")
+    if isinstance(identifier, (dict, list, tuple)):
+        raise TypeError(
+            f"diagnose takes one loss, got {_summary(identifier)}")
+    losses = diagnosis_models.keras_module(model).losses
+    function = losses.get(identifier)
+    # A Loss object reduces its values itself; `call` gives them per
+    # example, to be reduced here as the replicas' shares need.
+    return function.call if isinstance(function, losses.Loss) else function
+
+
+def _batches(data, steps):
+    if isinstance(data, tf.data.Dataset):
+        data = data.take(steps)
+    batches = []
+    for index, batch in enumerate(itertools.islice(iter(data), steps)):
+        if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
+            raise TypeError(
+                f"batch {index} of data must be (x, y) or (x, y, "
+                f"sample_weight), got {_summary(batch)}")
+        batches.append(tuple(batch) + (None,) * (3 - len(batch)))
+    if not batches:
+        raise ValueError("data holds no batch")
+    return batches
+
+
+# Running.
+
+
+class _Run:
+    """The model's two runs over one batch, under its strategy."""
+
+    def __init__(self, model, loss_fn):
+        self._model = model
+        self._loss_fn = loss_fn
+        self._strategy = model.distribute_strategy
+        self.replicas = self._strategy.num_replicas_in_sync
+        self._probe, self._counts = diagnosis_models.probe(model)
+        self._twin = diagnosis_models.float32_twin(model)
+        self._twin_probe, _ = diagnosis_models.probe(self._twin)
+        self._layers = diagnosis_models.probed_layers(model)
+        owner = float16_layers.owners(model)
+        self._variables = list(model.trainable_variables)
+        self._variable_layers = [owner.get(id(v)) for v in self._variables]
+        self._float16_layer = [
+            float16_layers.compute_dtype(layer) == "float16"
+            for layer in self._layers]
+        self._float16_variable = [
+            layer is not None
+            and float16_layers.compute_dtype(layer) == "float16"
+            and not float16_layers.takes_gradient_as_value(variable)
+            for variable, layer in zip(self._variables,
+                                       self._variable_layers)]
+        # One trace each (per batch shape), run in every replica.
+        self._float32_fn = tf.function(
+            lambda batch: self._replicated(self._float32_pass, batch),
+            reduce_retracing=True)
+        self._float16_fn = tf.function(
+            lambda batch, scale, float32_grads: self._replicated(
+                self._float16_pass, batch, scale, float32_grads)[0],
+            reduce_retracing=True)
+
+    def layer_rows(self):
+        return [{"name": layer.name,
+                 "compute_dtype": float16_layers.compute_dtype(layer)}
+                for layer in self._layers]
+
+    def variable_rows(self):
+        return [{"name": float16_layers.variable_name(variable),
+                 "layer": None if layer is None else layer.name,
+                 "compute_dtype": ("float16" if is_float16 else "float32"),
+                 "size": int(np.prod(variable.shape))}
+                for variable, layer, is_float16 in zip(
+                    self._variables, self._variable_layers,
+                    self._float16_variable)]
+
+    # The loss, per replica.
+
+    def _loss(self, y, y_pred, sample_weight):
+        values = tf.cast(self._loss_fn(y, tf.cast(y_pred, tf.float32)),
+                         tf.float32)
+        if sample_weight is not None:
+            weight = tf.cast(sample_weight, tf.float32)
+            weight = tf.reshape(weight, tf.concat(
+                [tf.shape(weight), tf.ones([tf.rank(values) - tf.rank(weight)],
+                                           tf.int32)], axis=0))
+            values = values * weight
+        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        # Each replica's share of the batch, so the replicas' gradients sum
+        # to the whole batch's.
+        return tf.reduce_sum(values) / (
+            tf.cast(tf.size(values), tf.float32) * replicas)
+
+    def _split(self, outputs):
+        """Probe outputs -> (per-layer lists of tensors, model output)."""
+        layers, start = [], 0
+        for count in self._counts:
+            layers.append(outputs[start:start + count])
+            start += count
+        return layers, outputs[-1]
+
+    def _forward_backward(self, probe, variables, batch, scale):
+        x, y, sample_weight = batch
+        with tf.GradientTape() as tape:
+            outputs = tf.nest.flatten(probe(x, training=False))
+            layer_outputs, y_pred = self._split(outputs)
+            loss = self._loss(y, y_pred, sample_weight)
+            scaled = loss * tf.cast(scale, loss.dtype)
+        flat = [t for tensors in layer_outputs for t in tensors]
+        grads = tape.gradient(
+            scaled, flat + list(variables),
+            unconnected_gradients=tf.UnconnectedGradients.NONE)
+        output_grads, _ = self._split(grads[:len(flat)] + [None])
+        return layer_outputs, output_grads, grads[len(flat):]
+
+    # Each replica's figures: float32 vectors, combined over replicas by
+    # `_combine` (max for "max" and "flag" figures, sum for counts).
+
+    def _float32_pass(self, batch):
+        layer_outputs, output_grads, grads = self._forward_backward(
+            self._twin_probe, self._twin.trainable_variables, batch, 1.0)
+        figures = {
+            "max:activation_max_float32": _per_item(
+                gradient_stats.largest_magnitude, layer_outputs),
+            "max:gradient_max": _per_item(_largest_or_zero, output_grads),
+            "flag:gradient_reached": tf.stack([
+                tf.constant(float(any(g is not None for g in tensors)))
+                for tensors in output_grads]),
+            "max:variable_gradient_max": _per_item(_largest_or_zero, grads),
+        }
+        return figures, [tf.zeros_like(v) if g is None else
+                         tf.convert_to_tensor(g)
+                         for g, v in zip(grads, self._variables)]
+
+    def _float16_pass(self, batch, scale, float32_grads):
+        x = batch[0]
+        layer_outputs, output_grads, grads = self._forward_backward(
+            self._probe, self._variables, batch, scale)
+        input_finite = gradient_stats.is_finite(x)
+        known = tf.cast(input_finite, tf.float32)
+        output_finite = _per_item(_finite, layer_outputs)
+        backward = [g for g, f16 in zip(output_grads, self._float16_layer)
+                    if f16] + [g for g, f16 in zip(grads,
+                                                   self._float16_variable)
+                               if f16]
+        forward_finite = tf.reduce_all(tf.cast(output_finite, tf.bool))
+        # Underflow is counted where the float16 run is finite up to the
+        # loss: a batch that overflowed forward has no gradients to compare.
+        measured = known * tf.cast(forward_finite, tf.float32)
+        return {
+            "max:input_nonfinite": 1.0 - known[None],
+            # Only batches with finite inputs say where non-finite values
+            # start.
+            "max:output_nonfinite": (1.0 - output_finite) * known,
+            "max:forward_nonfinite": (1.0 - tf.cast(
+                forward_finite, tf.float32))[None] * known,
+            "max:activation_max": _per_item(
+                gradient_stats.largest_magnitude, layer_outputs),
+            "max:backward_overflow": tf.cast(tf.logical_and(
+                forward_finite, tf.logical_not(
+                    gradient_stats.is_finite(backward))), tf.float32)[None],
+            "max:variable_nonfinite": 1.0 - _per_item(_finite, grads),
+            "sum:underflow": measured * tf.stack([
+                gradient_stats.underflow_count(g, reference) if f16 and (
+                    g is not None) else tf.constant(0.0)
+                for g, reference, f16 in zip(grads, float32_grads,
+                                             self._float16_variable)]),
+            "sum:nonzero": measured * _per_item(
+                gradient_stats.nonzero_count, float32_grads),
+        }
+
+    def _replicated(self, fn, *args):
+        """`fn(*args)` in every replica; its figures gathered and combined;
+        other outputs stay per replica."""
+
+        def in_replica(*args):
+            result = fn(*args)
+            figures, rest = (result if isinstance(result, tuple)
+                             else (result, None))
+            return {key: value[None] for key, value in figures.items()}, rest
+
+        figures, rest = self._strategy.run(in_replica, args=args)
+        return {key: _combine(key, self._strategy.gather(value, axis=0))
+                for key, value in figures.items()}, rest
+
+    def batch(self, batch, scales):
+        """The figures of one batch: the float32 pass's, and the float16
+        pass's at each scale."""
+        distributed = self._distribute(batch)
+        float32_figures, float32_grads = self._float32_fn(distributed)
+        float16_figures = [
+            self._float16_fn(distributed, tf.constant(scale, tf.float32),
+                             float32_grads)
+            for scale in scales]
+        return _to_numpy(float32_figures), [_to_numpy(figures)
+                                            for figures in float16_figures]
+
+    def _distribute(self, batch):
+        """The batch as each replica's part of it (the batch itself without
+        a strategy)."""
+        replicas = self.replicas
+        if replicas == 1:
+            return batch
+        size = int(tf.nest.flatten(batch[0])[0].shape[0])
+        if size % replicas:
+            raise ValueError(
+                f"a batch of {size} examples does not split evenly over "
+                f"{replicas} replicas")
+        part = size // replicas
+
+        def replica_part(context):
+            start = context.replica_id_in_sync_group * part
+            return tf.nest.map_structure(
+                lambda t: None if t is None else (
+                    tf.convert_to_tensor(t)[start:start + part]), batch)
+
+        return self._strategy.experimental_distribute_values_from_function(
+            replica_part)
+
+
+def _per_item(fn, items):
+    """`fn` of each item (a tensor or a list of them) as a float32 vector."""
+    return tf.stack([tf.cast(fn(item), tf.float32) for item in items])
+
+
+def _present(tensors):
+    return [t for t in tf.nest.flatten(tensors) if t is not None]
+
+
+def _largest_or_zero(tensors):
+    return gradient_stats.largest_magnitude(_present(tensors))
+
+
+def _finite(tensors):
+    return tf.cast(gradient_stats.is_finite(_present(tensors)), tf.float32)
+
+
+def _combine(key, gathered):
+    """Replicas' figures (stacked on axis 0) -> one figure."""
+    if key.startswith("sum:"):
+        return tf.reduce_sum(gathered, axis=0)
+    return tf.reduce_max(gathered, axis=0)
+
+
+def _to_numpy(figures):
+    return {key.split(":", 1)[1]: np.asarray(value)
+            for key, value in figures.items()}
+
+
+class _Figures:
+    """The batches' figures, combined: maxima over batches, counts of the
+    batches a flag was set on, and sums."""
+
+    def __init__(self, num_scales):
+        self._float32 = []
+        self._float16 = [[] for _ in range(num_scales)]
+
+    def add(self, batch_figures):
+        float32_figures, float16_figures = batch_figures
+        self._float32.append(float32_figures)
+        for per_scale, figures in zip(self._float16, float16_figures):
+            per_scale.append(figures)
+
+    def totals(self):
+        def stacked(rows, key):
+            return np.stack([row[key] for row in rows])
+
+        first_scale = self._float16[0]
+        return {
+            "activation_max": stacked(first_scale, "activation_max").max(0),
+            "activation_max_float32": stacked(
+                self._float32, "activation_max_float32").max(0),
+            "gradient_max": stacked(self._float32, "gradient_max").max(0),
+            "gradient_reached": stacked(
+                self._float32, "gradient_reached").max(0) > 0,
+            "output_nonfinite_batches": stacked(
+                first_scale, "output_nonfinite").sum(0).astype(int),
+            "input_nonfinite_batches": int(stacked(
+                first_scale, "input_nonfinite").sum()),
+            "forward_nonfinite_batches": int(stacked(
+                first_scale, "forward_nonfinite").sum()),
+            "variable_gradient_max": stacked(
+                self._float32, "variable_gradient_max").max(0),
+            "nonzero": stacked(first_scale, "nonzero").sum(0),
+            "underflow": np.stack([stacked(rows, "underflow").sum(0)
+                                   for rows in self._float16]),
+            "overflow_batches": np.array([
+                int(stacked(rows, "backward_overflow").sum())
+                for rows in self._float16]),
+            "variable_nonfinite_batches": np.stack([
+                stacked(rows, "variable_nonfinite").sum(0).astype(int)
+                for rows in self._float16]),
+        }
