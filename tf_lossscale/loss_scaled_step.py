@@ -151,9 +151,11 @@ def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record,
 
 def _apply_or_skip_cross_replica(loss_scale, grads, variables, apply_fn,
                                  skip_record, stats=None):
-    # Before the update: the statistics are of the scale the step ran with.
-    stats_op = None if stats is None else stats.write(grads, loss_scale())
-    update_op, should_apply = update_loss_scale(loss_scale, grads)
+    # Before the update, which waits for them: the statistics are of the
+    # scale the step ran with.
+    stats_op = None if stats is None else stats.write(grads, loss_scale)
+    with tf.control_dependencies([] if stats_op is None else [stats_op]):
+        update_op, should_apply = update_loss_scale(loss_scale, grads)
 
     def apply_in_every_replica():
         results = distribution.call_for_each_replica(apply_fn, grads,
@@ -181,8 +183,7 @@ def _apply_or_skip_cross_replica(loss_scale, grads, variables, apply_fn,
         step = tf.cond(should_apply, apply_in_every_replica, skip)
     if tf.executing_eagerly():
         return None
-    return tf.group([op for op in (update_op, step, stats_op)
-                     if op is not None])
+    return tf.group([op for op in (update_op, step) if op is not None])
 
 
 def _done(ops):

@@ -82,16 +82,19 @@ class _Selection:
         self._stats = stats
         self._mask = mask
 
-    def write(self, grads, scale):
+    def write(self, grads, loss_scale):
         """Cross-replica context: records the step's stats; returns the
         assignment op.
 
         Args:
           grads: the step's unscaled gradients, a list (per-replica values
             under a strategy) in the order the selection was made for.
-          scale: the loss scale the step ran with (read before its update).
+          loss_scale: the step's `LossScale`, called here, before its update,
+            for the scale the step ran with.
         """
         with tf.name_scope("gradient_stats"):
+            scale = loss_scale()
+
             def local(local_grads):
                 chosen = [g for g, keep in zip(local_grads, self._mask)
                           if keep]
