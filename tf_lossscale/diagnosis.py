@@ -217,11 +217,13 @@ class _Run:
                 [tf.shape(weight), tf.ones([tf.rank(values) - tf.rank(weight)],
                                            tf.int32)], axis=0))
             values = values * weight
+        loss = tf.reduce_sum(values) / tf.cast(tf.size(values), tf.float32)
         replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-        # Each replica's share of the batch, so the replicas' gradients sum
-        # to the whole batch's.
-        return tf.reduce_sum(values) / (
-            tf.cast(tf.size(values), tf.float32) * replicas)
+        if replicas > 1:
+            # Each replica's share of the batch, as Keras' fit scales it, so
+            # the replicas' gradients sum to the whole batch's.
+            loss = loss * (1.0 / replicas)
+        return loss
 
     def _split(self, outputs):
         """Probe outputs -> (per-layer lists of tensors, model output)."""
