@@ -474,3 +474,25 @@ def test_tf_keras_models_are_diagnosed_in_a_tf_keras_process():
     failed = {name: result for name, result in results.items()
               if result != "ok"}
     assert not failed, failed
+
+
+def test_a_sequential_model_is_diagnosed_as_the_same_functional_model(
+        underflowing):
+    functional, data, report = underflowing
+    sequential = keras.Sequential(
+        [keras.Input((float16_models.FEATURES,))] + [
+            keras.layers.Dense.from_config(layer.get_config())
+            for layer in functional.layers[1:]], name="underflowing")
+    sequential.set_weights(functional.get_weights())
+    sequential.compile(loss="mse")
+
+    as_dict = tf_lossscale.diagnose(sequential, data).as_dict()
+
+    expected = report.as_dict()
+    assert as_dict["layers"] == expected["layers"]
+    for row, expected_row in zip(as_dict["variables"],
+                                 expected["variables"]):
+        assert row.pop("name").endswith(expected_row.pop("name"))
+        assert row == expected_row
+    assert as_dict["loss_scale_range"] == expected["loss_scale_range"]
+    assert as_dict["keep_in_float32"] == expected["keep_in_float32"]

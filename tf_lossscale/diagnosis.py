@@ -167,9 +167,9 @@ class _Run:
         self._loss_fn = loss_fn
         self._strategy = model.distribute_strategy
         self.replicas = self._strategy.num_replicas_in_sync
-        self._probe, self._counts = diagnosis_models.probe(model)
+        self._probe = diagnosis_models.probe(model)
         self._twin = diagnosis_models.float32_twin(model)
-        self._twin_probe, _ = diagnosis_models.probe(self._twin)
+        self._twin_probe = diagnosis_models.probe(self._twin)
         self._layers = diagnosis_models.probed_layers(model)
         owner = float16_layers.owners(model)
         self._variables = list(model.trainable_variables)
@@ -225,27 +225,14 @@ class _Run:
             loss = loss * (1.0 / replicas)
         return loss
 
-    def _split(self, outputs):
-        """Probe outputs -> (per-layer lists of tensors, model output)."""
-        layers, start = [], 0
-        for count in self._counts:
-            layers.append(outputs[start:start + count])
-            start += count
-        return layers, outputs[-1]
-
     def _forward_backward(self, probe, variables, batch, scale):
         x, y, sample_weight = batch
         with tf.GradientTape() as tape:
-            outputs = tf.nest.flatten(probe(x, training=False))
-            layer_outputs, y_pred = self._split(outputs)
+            layer_outputs, y_pred = probe(x)
             loss = self._loss(y, y_pred, sample_weight)
             scaled = loss * tf.cast(scale, loss.dtype)
-        flat = [t for tensors in layer_outputs for t in tensors]
-        grads = tape.gradient(
-            scaled, flat + list(variables),
-            unconnected_gradients=tf.UnconnectedGradients.NONE)
-        output_grads, _ = self._split(grads[:len(flat)] + [None])
-        return layer_outputs, output_grads, grads[len(flat):]
+        grads = tape.gradient(scaled, (layer_outputs, list(variables)))
+        return layer_outputs, grads[0], grads[1]
 
     # Each replica's figures: float32 vectors, combined over replicas by
     # `_combine` (max for "max" and "flag" figures, sum for counts).

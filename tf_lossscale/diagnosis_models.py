@@ -1,10 +1,10 @@
 """The two models a float16 diagnosis runs: a probe and a float32 twin.
 
-* The probe is a functional model over the user's own layers (no copy,
-  no new variable) whose outputs are every layer's output, then the model's
-  output: calling it runs the user's model and shows what each layer
-  produced, and a gradient tape can differentiate the loss with respect to
-  each of those outputs.
+* The probe runs the user's own layers (no copy, no new variable) and
+  returns every layer's output, then the model's output: what each layer
+  produced, which a gradient tape can differentiate the loss with respect
+  to. For a functional model it is a functional model over the same
+  layers; a Sequential model's layers are called one after the other.
 * The twin is the same model computing in float32: rebuilt from the model's
   config with every float16 dtype policy rewritten to float32, given a copy
   of the model's weights. (`clone_model` keeps each layer's saved policy,
@@ -12,9 +12,9 @@
   which fails for a loss written as a lambda.) Its gradients are the
   reference a float16 gradient is compared with.
 
-Both need a functional or Sequential model (Keras 3 or tf-keras) with one
-output and each layer called once; subclassed models have no graph of
-layers to read the outputs from.
+Both need a functional model (one output, each layer called once) or a
+built Sequential model, of Keras 3 or tf-keras; subclassed models have no
+graph of layers to read the outputs from.
 """
 
 import copy
@@ -44,10 +44,20 @@ def probed_layers(model):
             if not float16_layers.is_input_layer(layer)]
 
 
+def _is_sequential(model):
+    return isinstance(model, keras_module(model).Sequential)
+
+
 def check_model(model):
     """Raises TypeError unless `model` is a model `diagnose` can run."""
     if not hasattr(model, "layers") or not callable(model):
         raise TypeError(f"model must be a Keras model, got {model!r}")
+    if _is_sequential(model):
+        if not model.built:
+            raise TypeError(
+                f"model {model.name!r} is not built: build it (give it a "
+                "keras.Input or call it once) before diagnose")
+        return
     inputs = getattr(model, "inputs", None)
     if not inputs:
         raise TypeError(
@@ -70,20 +80,47 @@ def _layer_outputs(layer):
 
 
 def probe(model):
-    """`(probe_model, output_counts)`: the probe of `model` (see the module
-    docstring) and how many tensors each probed layer outputs; the last
-    output of the probe is the model's output."""
+    """The probe of `model`: a function of a batch's inputs that runs the
+    model (`training=False`) and returns `(layer_outputs, output)`, a list
+    of each probed layer's output tensors and the model's output.
+
+    A Sequential model runs its layers one after the other, as it does
+    itself (a Sequential rebuilt from its config keeps a first, unused
+    graph in its layers); a functional model runs a functional model over
+    its layers whose outputs are all theirs.
+    """
     check_model(model)
+    layers = probed_layers(model)
+    if _is_sequential(model):
+
+        def run_sequential(x):
+            layer_outputs = []
+            for layer in layers:
+                x = layer(x, training=False)
+                layer_outputs.append(tf.nest.flatten(x))
+            return layer_outputs, x
+
+        return run_sequential
     outputs, counts = [], []
-    for layer in probed_layers(model):
+    for layer in layers:
         layer_outputs = _layer_outputs(layer)
         outputs += layer_outputs
         counts.append(len(layer_outputs))
     outputs.append(model.outputs[0])
+    # One input as a tensor, as the model is called with it.
+    inputs = model.inputs[0] if len(model.inputs) == 1 else model.inputs
     probe_model = keras_module(model).Model(
-        inputs=model.input, outputs=outputs,
-        name=f"{model.name}_float16_probe")
-    return probe_model, counts
+        inputs=inputs, outputs=outputs, name=f"{model.name}_float16_probe")
+
+    def run_functional(x):
+        flat = tf.nest.flatten(probe_model(x, training=False))
+        layer_outputs, start = [], 0
+        for count in counts:
+            layer_outputs.append(flat[start:start + count])
+            start += count
+        return layer_outputs, flat[-1]
+
+    return run_functional
 
 
 def _is_float16_policy(value):
