@@ -27,6 +27,8 @@ import math
 
 import tensorflow as tf
 
+from tf_lossscale import gradient_checks
+
 FLOAT16_MAX = 65504.0
 FLOAT16_MIN_NORMAL = 2.0 ** -14
 FLOAT16_MIN_SUBNORMAL = 2.0 ** -24
@@ -71,15 +73,6 @@ def element_count(tensors):
                      for values in _present(tensors)] + [tf.constant(0.0)])
 
 
-def _below_min_normal(values, scale):
-    """Elements of `values * scale` below float16's smallest normal number
-    (0 included), a float32 scalar; compared without forming the product."""
-    threshold = tf.constant(FLOAT16_MIN_NORMAL, tf.float32) / tf.cast(
-        scale, tf.float32)
-    tiny = tf.abs(tf.cast(values, tf.float32)) < threshold
-    return tf.reduce_sum(tf.cast(tiny, tf.float32))
-
-
 def scaled_gradient_stats(grads, scale):
     """One step's gradients against float16's range, at loss scale `scale`.
 
@@ -96,12 +89,26 @@ def scaled_gradient_stats(grads, scale):
       apart), out of `count` values; `largest`, the largest scaled magnitude,
       +inf if any value is NaN or +-Inf. For a power-of-2 scale, `scale * g`
       is exactly the float16 value the backward pass produced.
+
+    Per gradient: one |g|, read twice (a maximum, a count against
+    2**-14 / scale, so no product is formed), and the exact finiteness check
+    of `gradient_checks` (under XLA a maximum skips NaN).
     """
     present = _present(grads)
-    tiny = tf.add_n([_below_min_normal(v, scale) for v in present]
-                    + [tf.constant(0.0)])
-    largest = largest_magnitude(present) * tf.cast(scale, tf.float32)
-    return tf.stack([tiny, element_count(present), largest])
+    scale = tf.cast(scale, tf.float32)
+    threshold = tf.constant(FLOAT16_MIN_NORMAL, tf.float32) / scale
+    tiny = [tf.constant(0, tf.int64)]
+    tops = [tf.constant(0.0)]
+    for values in present:
+        magnitude = tf.abs(tf.cast(values, tf.float32))
+        tops.append(tf.reduce_max(magnitude))
+        tiny.append(tf.cast(tf.reduce_sum(
+            tf.cast(magnitude < threshold, tf.int32)), tf.int64))
+    largest = tf.maximum(tf.reduce_max(tf.stack(tops)), 0.0) * scale
+    largest = tf.where(gradient_checks.all_finite(present), largest,
+                       float("inf"))
+    return tf.stack([tf.cast(tf.add_n(tiny), tf.float32),
+                     element_count(present), largest])
 
 
 def nonzero_count(float32_grad):
