@@ -14,8 +14,9 @@ takes medians, and prints ratios.
    runs divided by that round's run without them; without XLA and with
    `jit_compile=True`. The statistics stay attached across the timed
    fits: this is their cost per step; the monitor also retraces the step
-   once when training begins and once when it ends. The statistics are attached as the monitor attaches
-   them, with every variable watched: the step computes in mixed_bfloat16,
+   once when training begins and once when it ends. They are attached as
+   the monitor attaches them, with every variable watched: the step
+   computes in mixed_bfloat16,
    as in `loss_scale_benchmark.py`, because TensorFlow's CPU build has no
    fast float16 matrix product (it would hide the cost), and under bfloat16
    no layer computes in float16, so the monitor itself would watch none.

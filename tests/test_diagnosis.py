@@ -118,8 +118,8 @@ def test_report_names_the_underflowing_variables_and_a_higher_scale(
     assert by_name[hidden[0]]["underflow_share"][0] > 0.5
     assert report.first_nonfinite_layer is None
     assert report.keep_in_float32 == []
-    assert any(line.startswith(f"Use a loss scale between 2^{int(math.log2(low))}")
-               for line in report.advice())
+    between = f"Use a loss scale between 2^{int(math.log2(low))} and "
+    assert any(line.startswith(between) for line in report.advice())
 
 
 def _float16_and_float32_grads(model, twin, x, y, scale):
@@ -496,3 +496,44 @@ def test_a_sequential_model_is_diagnosed_as_the_same_functional_model(
         assert row == expected_row
     assert as_dict["loss_scale_range"] == expected["loss_scale_range"]
     assert as_dict["keep_in_float32"] == expected["keep_in_float32"]
+
+
+def test_sparse_embedding_gradients_are_compared_row_by_row():
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(50, 4, dtype="mixed_float16",
+                               name="embedding")(tokens)
+    h = keras.layers.GlobalAveragePooling1D(dtype="mixed_float16")(h)
+    out = keras.layers.Dense(1, dtype="float32", name="out")(h)
+    model = keras.Model(tokens, out)
+    model.compile(loss="mse")
+    x = np.random.default_rng(0).integers(0, 10, (16, 5)).astype(np.int32)
+    y = np.ones((16, 1), np.float32)
+
+    report = tf_lossscale.diagnose(model, [(x, y)], scales=[1.0, 2.0**10])
+
+    embedding = report.as_dict()["variables"][0]
+    assert embedding["compute_dtype"] == "float16"
+    # Only the rows of the 10 tokens used have gradients.
+    assert 0 < embedding["nonzero_values"] <= 10 * 4
+    assert embedding["underflow_share"][1] <= embedding["underflow_share"][0]
+
+
+def test_nan_in_the_data_is_reported_as_the_datas():
+    model = float16_models.underflowing_model(keras)
+    data = float16_models.underflowing_data()
+    x, y = data[1]
+    x = x.copy()
+    x[3, 2] = np.nan
+    data[1] = (x, y)
+
+    report = tf_lossscale.diagnose(model, data, scales=_SCALES)
+
+    as_dict = report.as_dict()
+    assert as_dict["input_nonfinite_batches"] == 1
+    # The layers' outputs are non-finite there because the inputs are.
+    assert report.first_nonfinite_layer is None
+    assert report.advice()[0].startswith(
+        "1 of 4 batches hold NaN or Inf in their inputs: fix the data")
+    # The other batches still measure the scales.
+    assert report.loss_scale_range is not None

@@ -4,6 +4,7 @@ Needs matplotlib, the "plot" extra; draws with its Agg backend, not pyplot,
 so it works without a display and leaves pyplot's state alone.
 """
 
+import math
 import pathlib
 
 
@@ -23,13 +24,36 @@ def _finite_or(values, fallback):
     return [0.0 if v is None else max(v, fallback) for v in values]
 
 
+def _plotted(report):
+    """What the figure draws, from the report's dict."""
+    figures = report.as_dict()
+    layers = [row for row in figures["layers"]
+              if row["compute_dtype"] == "float16"]
+    scales = figures["scales"]
+    return {
+        "layers": [row["name"] for row in layers],
+        "activation_headroom": [row["activation_headroom_log2"]
+                                for row in layers],
+        "gradient_headroom": [row["gradient_headroom_log2"]
+                              for row in layers],
+        "scales_log2": [math.log2(s) for s in scales],
+        "shares": {row["name"]: row["underflow_share"]
+                   for row in figures["variables"]
+                   if row["underflow_share"] is not None},
+        "overflowing_log2": [math.log2(s) for s, n in
+                             zip(scales, figures["overflow_batches"]) if n],
+        "range_log2": (None if figures["loss_scale_range"] is None else
+                       [math.log2(s) for s in figures["loss_scale_range"]]),
+    }
+
+
 def write(report, path):
     """Writes `report`'s figure to `path` as a PNG."""
     _require_matplotlib()
     # pylint: disable=g-import-not-at-top
     from matplotlib import figure
     from matplotlib.backends import backend_agg
-    data = report.plotted()
+    data = _plotted(report)
     fig = figure.Figure(figsize=(10, 4.2), dpi=100, layout="constrained")
     backend_agg.FigureCanvasAgg(fig)
     layers_axes, shares_axes = fig.subplots(1, 2, width_ratios=[1, 1.3])

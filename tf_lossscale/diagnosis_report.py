@@ -26,6 +26,7 @@ import math
 
 import numpy as np
 
+from tf_lossscale import diagnosis_text as text
 from tf_lossscale import gradient_stats
 
 # Default tolerances: the share of batches that may overflow at the top of
@@ -36,8 +37,6 @@ UNDERFLOW_TOLERANCE = 0.01
 # Outputs within this many powers of 2 of 65504 are too close: another
 # batch may overflow.
 ACTIVATION_MARGIN_LOG2 = 1.0
-# Rows of the variables table printed by `str()`; `as_dict()` has them all.
-_MAX_PRINTED_VARIABLES = 30
 
 
 def headroom_log2(largest):
@@ -47,44 +46,6 @@ def headroom_log2(largest):
     if math.isinf(largest):
         return -math.inf
     return gradient_stats.FLOAT16_MAX_LOG2 - math.log2(largest)
-
-
-def _pow2(value):
-    """2^k text for a power of 2, else the number."""
-    if value is None:
-        return "-"
-    exponent = math.log2(value) if value > 0 else None
-    if exponent is not None and exponent == round(exponent):
-        return f"2^{int(exponent)}"
-    return f"{value:g}"
-
-
-def _python_number(value):
-    """`value` as Python source: 2**k for a power of 2."""
-    exponent = math.log2(value)
-    if exponent == round(exponent) and exponent > 10:
-        return f"2**{int(exponent)}"
-    return f"{value:g}"
-
-
-def _log2_text(value):
-    if value is None:
-        return "-"
-    if math.isinf(value):
-        return "-inf" if value < 0 else "inf"
-    return f"{value:.1f}"
-
-
-def _number(value):
-    if value is None:
-        return "-"
-    if math.isinf(value) or math.isnan(value):
-        return str(value)
-    return f"{value:.3g}"
-
-
-def _share(value):
-    return "-" if value is None else f"{100 * value:.1f}%"
 
 
 def _float_or_none(value, keep):
@@ -209,32 +170,49 @@ class Float16Diagnosis:
     def _float32_reasons(self):
         """{layer name: why it should compute in float32}, in layer order."""
         reasons = {}
+        for name, reason in (self._output_reasons() + self._underflow_reasons()
+                             + self._overflow_reasons()):
+            reasons.setdefault(name, reason)
+        return reasons
+
+    def _output_reasons(self):
+        reasons = []
         for row in self._layers:
             headroom = row["activation_headroom_log2"]
-            if row["compute_dtype"] == "float16" and headroom is not None and (
-                    headroom < ACTIVATION_MARGIN_LOG2):
-                reasons[row["name"]] = (
-                    f"its outputs reach {_number(row['activation_max_float32'])}"
-                    f" ({'above' if headroom < 0 else 'close to'} float16's "
-                    "65504)")
-        for row in self._variables:
-            share = row["underflow_share"]
-            if (share is not None and self._top is not None
-                    and share[self._top] > self._tolerance):
-                reasons.setdefault(row["layer"], (
-                    f"{_share(share[self._top])} of {row['name']}'s gradient "
-                    f"underflows even at {_pow2(self._scales[self._top])}"))
-        if self._top is None and not self._forward_nonfinite and (
-                not self._input_nonfinite):
-            lowest = self._scales[0]
-            for row in self._layers + self._variables:
-                largest = row.get("gradient_max")
-                if row["compute_dtype"] == "float16" and largest and (
-                        largest * lowest > gradient_stats.FLOAT16_MAX):
-                    name = row.get("layer", row["name"])
-                    reasons.setdefault(name, (
-                        f"gradients reach {_number(largest * lowest)} at loss "
-                        f"scale {_pow2(lowest)}, above float16's 65504"))
+            if headroom is not None and headroom < ACTIVATION_MARGIN_LOG2:
+                where = "above" if headroom < 0 else "close to"
+                reasons.append((row["name"], (
+                    "its outputs reach "
+                    f"{text.number(row['activation_max_float32'])} ({where} "
+                    "float16's 65504)")))
+        return reasons
+
+    def _underflow_reasons(self):
+        if self._top is None:
+            return []
+        top = self._top
+        return [(row["layer"], (
+            f"{text.share(row['underflow_share'][top])} of {row['name']}'s "
+            f"gradient underflows even at {text.pow2(self._scales[top])}"))
+                for row in self._variables
+                if row["underflow_share"] is not None
+                and row["underflow_share"][top] > self._tolerance]
+
+    def _overflow_reasons(self):
+        """When even the lowest scale overflows: the float16 layers whose
+        gradients (of outputs or variables) overflow there."""
+        if self._top is not None or self._measured_batches() <= 0:
+            return []
+        lowest = self._scales[0]
+        reasons = []
+        for row in self._layers + self._variables:
+            largest = row["gradient_max"]
+            if row["compute_dtype"] == "float16" and largest and (
+                    largest * lowest > gradient_stats.FLOAT16_MAX):
+                reasons.append((row.get("layer", row["name"]), (
+                    f"gradients reach {text.number(largest * lowest)} at "
+                    f"loss scale {text.pow2(lowest)}, above float16's "
+                    "65504")))
         return reasons
 
     def overflow_bound_log2(self):
@@ -253,6 +231,13 @@ class Float16Diagnosis:
 
     def advice(self):
         """The advice, as a list of sentences."""
+        lines = self._cause_lines() + self._scale_lines()
+        for name, reason in self._reasons.items():
+            lines.append(f"Keep layer {name!r} in float32 (dtype=\"float32\"):"
+                         f" {reason}.")
+        return lines or ["Nothing to change."]
+
+    def _cause_lines(self):
         lines = []
         if self._input_nonfinite:
             lines.append(
@@ -264,39 +249,42 @@ class Float16Diagnosis:
                 f"The forward pass in float16 is not finite from layer "
                 f"{self.first_nonfinite_layer!r} on: no loss scale helps "
                 "(loss scaling acts on gradients only).")
+        return lines
+
+    def _scale_lines(self):
+        lines = []
         if self.loss_scale_range is not None:
-            low, high = self.loss_scale_range
-            top_note = ""
-            if self._top == len(self._scales) - 1:
-                top_note = (f" (no overflow up to {_pow2(high)}, the largest "
-                            "scale probed)")
+            lines.append(self._range_line())
+        elif self._measured_batches() > 0 and (
+                self.first_nonfinite_layer is None):
             lines.append(
-                f"Use a loss scale between {_pow2(low)} and {_pow2(high)}"
-                f"{top_note}: above it the float16 backward pass overflows "
-                f"on more than {_share(self._overflow_tolerance)} of the "
-                "batches, below it more gradient values underflow. A "
-                "DynamicLossScale finds the top by itself; "
-                f"FixedLossScale({_python_number(high)}) is the fixed "
-                "choice.")
-        elif not self._input_nonfinite and self.first_nonfinite_layer is None:
-            lines.append(
-                f"The float16 backward pass overflows even at loss scale "
-                f"{_pow2(self._scales[0])}: no loss scale in the probed range "
-                "avoids it.")
+                "The float16 backward pass overflows even at loss scale "
+                f"{text.pow2(self._scales[0])}: no loss scale in the probed "
+                "range avoids it.")
         if self.underflowing_variables:
             names = ", ".join(self.underflowing_variables[:5])
             more = len(self.underflowing_variables) - 5
             names += f" and {more} more" if more > 0 else ""
             lines.append(
-                f"At loss scale {_pow2(self._scales[0])} more than "
-                f"{_share(self._tolerance)} of the gradient underflows for: "
-                f"{names}.")
-        for name, reason in self._reasons.items():
-            lines.append(f"Keep layer {name!r} in float32 (dtype=\"float32\"):"
-                         f" {reason}.")
-        if not lines:
-            lines.append("Nothing to change.")
+                f"At loss scale {text.pow2(self._scales[0])} more than "
+                f"{text.share(self._tolerance)} of the gradient underflows "
+                f"for: {names}.")
         return lines
+
+    def _range_line(self):
+        low, high = self.loss_scale_range
+        between = (f"of {text.pow2(low)}" if low == high else
+                   f"between {text.pow2(low)} and {text.pow2(high)}")
+        if self._top == len(self._scales) - 1:
+            between += (f" (no overflow up to {text.pow2(high)}, the largest "
+                        "scale probed)")
+        return (f"Use a loss scale {between}: above it the float16 backward "
+                "pass overflows on more than "
+                f"{text.share(self._overflow_tolerance)} of the batches, "
+                "below it more gradient values underflow. A DynamicLossScale "
+                "finds the top by itself; "
+                f"FixedLossScale({text.python_number(high)}) is the fixed "
+                "choice.")
 
     # The three views.
 
@@ -332,89 +320,12 @@ class Float16Diagnosis:
         }
 
     def __str__(self):
-        return "\n".join(self._text_lines())
+        return text.render(self.as_dict())
 
     def __repr__(self):
         return (f"<Float16Diagnosis: {self._batches} batches, loss scale "
                 f"range {self.loss_scale_range}, keep in float32: "
                 f"{self.keep_in_float32}>")
-
-    def _text_lines(self):
-        lines = [
-            f"float16 diagnosis: {self._batches} batches, "
-            f"{self._replicas} replica{'s' if self._replicas > 1 else ''}, "
-            f"loss scales {_pow2(self._scales[0])} to "
-            f"{_pow2(self._scales[-1])}",
-            "float16 holds magnitudes up to 65504 (2^16); headroom: powers of "
-            "2 left below it",
-            "",
-            "Forward pass, each layer's largest output:",
-            f"  {'layer':<24} {'dtype':<8} {'float16':>10} {'float32':>10} "
-            f"{'headroom':>9}"]
-        for row in self._layers:
-            mark = ("  <- first non-finite output"
-                    if row["name"] == self.first_nonfinite_layer else "")
-            lines.append(
-                f"  {row['name']:<24} {row['compute_dtype']:<8} "
-                f"{_number(row['activation_max']):>10} "
-                f"{_number(row['activation_max_float32']):>10} "
-                f"{_log2_text(row['activation_headroom_log2']):>9}{mark}")
-        lines += [
-            "",
-            "Backward pass, each layer's largest output gradient at loss "
-            "scale 1 (headroom: log2 of the largest scale it takes):",
-            f"  {'layer':<24} {'dtype':<8} {'largest':>10} {'headroom':>9}"]
-        for row in self._layers:
-            lines.append(
-                f"  {row['name']:<24} {row['compute_dtype']:<8} "
-                f"{_number(row['gradient_max']):>10} "
-                f"{_log2_text(row['gradient_headroom_log2']):>9}")
-        lines += ["", *self._variable_lines(), "", *self._overflow_lines(),
-                  "", "Advice:"]
-        lines += [f"  * {line}" for line in self.advice()]
-        return lines
-
-    def _shown_scales(self):
-        indices = [0]
-        for index in (self._bottom, self._top):
-            if index is not None and index not in indices:
-                indices.append(index)
-        return indices
-
-    def _variable_lines(self):
-        shown = self._shown_scales()
-        header = "".join(f"{'at ' + _pow2(self._scales[i]):>9}"
-                         for i in shown)
-        lines = [
-            "Variables, share of the float16 gradient lost to underflow "
-            "(zero or subnormal where the float32 gradient is not 0):",
-            f"  {'variable':<32} {'dtype':<8}{header} {'largest':>10} "
-            f"{'headroom':>9}"]
-        for row in self._variables[:_MAX_PRINTED_VARIABLES]:
-            share = row["underflow_share"]
-            cells = "".join(
-                f"{_share(None if share is None else share[i]):>9}"
-                for i in shown)
-            lines.append(
-                f"  {row['name']:<32} {row['compute_dtype']:<8}{cells} "
-                f"{_number(row['gradient_max']):>10} "
-                f"{_log2_text(row['gradient_headroom_log2']):>9}")
-        hidden = len(self._variables) - _MAX_PRINTED_VARIABLES
-        if hidden > 0:
-            lines.append(f"  ... and {hidden} more (as_dict() has them all)")
-        return lines
-
-    def _overflow_lines(self):
-        first = next((i for i, n in enumerate(self._overflow) if n), None)
-        if self._measured_batches() <= 0:
-            return ["Backward pass: not measured (no batch with a finite "
-                    "forward pass)."]
-        if first is None:
-            return [f"Backward pass: no overflow up to "
-                    f"{_pow2(self._scales[-1])}."]
-        return [f"Backward pass: overflows from {_pow2(self._scales[first])} "
-                f"on ({self._overflow[first]} of {self._batches} batches "
-                "there)."]
 
     def plot(self, path):
         """Writes a PNG: each float16 layer's headroom (outputs and output
@@ -431,25 +342,3 @@ class Float16Diagnosis:
         # pylint: disable=g-import-not-at-top
         from tf_lossscale import diagnosis_plot
         diagnosis_plot.write(self, path)
-
-    # What the plot reads.
-
-    def plotted(self):
-        """The figures `plot` draws: a dict of plain values."""
-        layers = [row for row in self._layers
-                  if row["compute_dtype"] == "float16"]
-        return {
-            "layers": [row["name"] for row in layers],
-            "activation_headroom": [row["activation_headroom_log2"]
-                                    for row in layers],
-            "gradient_headroom": [row["gradient_headroom_log2"]
-                                  for row in layers],
-            "scales_log2": [math.log2(s) for s in self._scales],
-            "shares": {row["name"]: row["underflow_share"]
-                       for row in self._variables
-                       if row["underflow_share"] is not None},
-            "overflowing_log2": [math.log2(s) for s, n in
-                                 zip(self._scales, self._overflow) if n],
-            "range_log2": (None if self.loss_scale_range is None else
-                           [math.log2(s) for s in self.loss_scale_range]),
-        }

@@ -61,9 +61,10 @@ def largest_magnitude(tensors):
 
 
 def is_finite(tensors):
-    """A bool scalar: no value of `tensors` is NaN or +-Inf."""
+    """A bool scalar: no value of `tensors` is NaN or +-Inf (integer
+    tensors, such as token ids, always are)."""
     flags = [tf.reduce_all(tf.math.is_finite(values))
-             for values in _present(tensors)]
+             for values in _present(tensors) if values.dtype.is_floating]
     return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
 
 
