@@ -40,7 +40,7 @@ def _data(steps=_STEPS):
     return x, x.sum(axis=1, keepdims=True)
 
 
-def _model(initial_scale=2.0**17, jit_compile=False, steps_per_execution=1):
+def _model(initial_scale=2.0**16, jit_compile=False, steps_per_execution=1):
     """A float16 hidden layer and a float32 output layer, whose gradients
     the figures must leave out."""
     keras.utils.set_random_seed(0)
@@ -115,8 +115,8 @@ def stats_run(request, tmp_path_factory):
     replicas, jit_compile = _RUNS[request.param]
     strategy = strategies.mirrored(replicas) if replicas > 1 else None
     with strategy.scope() if strategy else contextlib.nullcontext():
-        # Starts at 2**17: the first steps overflow (headroom -inf) and
-        # skip, until the scale fits.
+        # At 2**16 some steps' gradients go beyond float16's range (and
+        # skip, halving the scale), others fit.
         model = _model(jit_compile=jit_compile)
     x, y = _data()
     expect = _Expect(x, y, replicas, jit_compile)
@@ -136,10 +136,10 @@ def test_each_step_logs_its_float16_gradients_share_and_headroom(stats_run):
     assert len(expect.logged) == _STEPS
     assert expect.logged == expect.expected
     headrooms = [headroom for _, headroom in expect.logged]
-    # Steps beyond float16's range first (-inf where they overflowed; TF
-    # 2.16's XLA keeps them finite in float32), then steps that fit: not a
-    # trivial run.
-    assert headrooms[0] < 0
+    # Steps beyond float16's range (-inf where they overflowed; TF 2.16's
+    # XLA keeps them finite in float32) and steps that fit: not a trivial
+    # run.
+    assert any(headroom < 0 for headroom in headrooms)
     assert any(0 < headroom < math.inf for headroom in headrooms)
     assert all(isinstance(v, float) for pair in expect.logged for v in pair)
 
