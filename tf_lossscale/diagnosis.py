@@ -26,9 +26,14 @@ them, as Keras' default reduction; the model's regularization losses are
 left out. Under the model's `tf.distribute` strategy each replica runs its
 part of every batch (the batch must split evenly), with its loss scaled to
 its share of the batch as `fit` does; what the replicas measured is
-combined (maxima over replicas, counts summed), so every figure is one
-number for the whole batch. The model, its optimizer, the layers' dtype
-policies and the global policy are left as they were.
+combined (maxima over replicas, counts summed): the layers' figures are
+those of the whole batch, the variables' gradients each replica's, which
+are the ones float16 holds in training. The model, its optimizer, the
+layers' dtype policies and the global policy are left as they were.
+
+It runs without XLA (which may keep float16 values in float32: TF 2.16's
+XLA on CPU keeps a float16 gradient beyond 65504 finite), and reads a few
+numbers back to the host after every pass.
 
 `Float16Diagnosis` (`diagnosis_report`) turns the figures into the report
 and its advice.
@@ -72,8 +77,9 @@ def diagnose(model, data, steps=8, *, loss=None, scales=DEFAULT_SCALES,
     Raises:
       TypeError: the model is not one `diagnose` can run (see above), or a
         batch is not a tuple of 2 or 3.
-      ValueError: no batch, bad `steps`, `scales` or `underflow_tolerance`,
-        no loss, or a batch that does not split over the replicas.
+      ValueError: no batch; bad `steps`, `scales`, `overflow_tolerance` or
+        `underflow_tolerance`; no loss; or a batch that does not split
+        evenly over the replicas.
     """
     steps, scales = _checked_steps_and_scales(steps, scales)
     tolerances = {name: _checked_share(name, value) for name, value in (
