@@ -13,7 +13,10 @@ Public API:
   the count of skipped steps into the logs of `fit` (progress bar, History,
   CSVLogger, TensorBoard);
 * `XlaChecks`, `with_xla_checks`: the host-side checks an XLA-compiled step
-  needs (`fit`'s callbacks; a custom step).
+  needs (`fit`'s callbacks; a custom step);
+* `diagnose`, `Float16Diagnosis`: why a float16 run gives NaN or does not
+  learn, measured layer by layer on a few batches, with the loss scales and
+  the float32 layers that fix it.
 """
 
 # TensorFlow is not a pip requirement of this package (setup.py says why):
@@ -27,6 +30,8 @@ _tensorflow_requirement.check_tensorflow()
 from importlib import util as _importlib_util
 
 from tf_lossscale import compat
+from tf_lossscale.diagnosis import diagnose
+from tf_lossscale.diagnosis_report import Float16Diagnosis
 from tf_lossscale import optimizer_protocol as _optimizer_protocol
 from tf_lossscale.keras_optimizer import LossScaleOptimizer
 from tf_lossscale.loss_scale import DynamicLossScale
@@ -52,12 +57,14 @@ __version__ = "0.3.0"
 __all__ = [
     "DynamicLossScale",
     "FixedLossScale",
+    "Float16Diagnosis",
     "LossScale",
     "LossScaleMonitor",
     "LossScaleOptimizer",
     "XlaChecks",
     "compat",
     "deserialize",
+    "diagnose",
     "get",
     "serialize",
     "with_xla_checks",

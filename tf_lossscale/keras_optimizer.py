@@ -212,7 +212,8 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
                 grads, variables, self._loss_scale())
         loss_scaled_step.apply_or_skip(
             self._loss_scale, grads, trainable_variables,
-            self.inner_optimizer.apply, self._skip_record)
+            self.inner_optimizer.apply, self._skip_record,
+            stats=self._stats_for(variables))
 
     @property
     def _skip_record(self):

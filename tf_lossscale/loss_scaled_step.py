@@ -142,7 +142,8 @@ def update_loss_scale(loss_scale, grads):
     return update_from_flag(distribution.all_replicas_finite(grads))
 
 
-def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record):
+def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record,
+                  stats=None):
     """One step: update the scale, then apply in every replica or skip.
 
     May be called in a replica context (inside `strategy.run`, `fit`'s train
@@ -158,6 +159,10 @@ def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record):
         return an op or tensor to wait on.
       skip_record: the `SkipRecord` written on skipped steps, or None to
         record nothing (a wrapper whose checkpoints hold no such state).
+      stats: None (the default: the step holds nothing more), or the
+        opted-in per-step gradient statistics of
+        `tf_lossscale.step_gradient_stats`, written on every step, applied
+        or skipped, from the gradients and the scale they ran with.
 
     Returns:
       None eagerly; in graphs an op that runs the whole step (TF1 callers
@@ -167,15 +172,19 @@ def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record):
     # back regrouped per replica, callables included.
     def cross_replica_step(grads, variables):
         return _apply_or_skip_cross_replica(
-            loss_scale, grads, variables, apply_fn, skip_record)
+            loss_scale, grads, variables, apply_fn, skip_record, stats)
 
     return distribution.call_in_cross_replica_context(
         cross_replica_step, grads, variables)
 
 
 def _apply_or_skip_cross_replica(loss_scale, grads, variables, apply_fn,
-                                 skip_record):
-    update_op, should_apply = update_loss_scale(loss_scale, grads)
+                                 skip_record, stats=None):
+    # Before the update, which waits for them: the statistics are of the
+    # scale the step ran with.
+    stats_op = None if stats is None else stats.write(grads, loss_scale)
+    with tf.control_dependencies([] if stats_op is None else [stats_op]):
+        update_op, should_apply = update_loss_scale(loss_scale, grads)
 
     def apply_in_every_replica():
         results = distribution.call_for_each_replica(apply_fn, grads,

@@ -38,6 +38,26 @@ not one per step. A burst that goes on is summarized every
 `BURST_SUMMARY_SKIPS` skipped steps, and whatever is pending when training
 ends is printed then.
 
+With `gradient_stats=True` two more entries come from inside the train step
+(float16 layers' variable gradients at the step's loss scale, all replicas;
+the last step of each call):
+
+* `grad_underflow_share`: the share of gradient values that were zero or
+  subnormal in float16 (below 2**-14). Without a float32 copy of the model
+  a step cannot tell a value flushed to 0 from a true 0 (a dead ReLU, an
+  unused embedding row): this share counts both, and
+  `tf_lossscale.diagnose` separates them;
+* `grad_headroom_log2`: log2(65504 / the largest gradient value), the
+  doublings of the scale left before it overflows float16 (-inf on a step
+  that overflowed). Activation gradients inside the backward pass can
+  overflow before the variable gradients do.
+
+That adds work to every step (a few reads of those gradients, and under a
+strategy one all-gather of three floats per replica; measured in
+`benchmarks/gradient_stats_cost.py`) and one more read per batch end. The monitor re-makes the model's train function
+(`make_train_function(force=True)`: one more trace) when training begins,
+so the step records them, and again when it ends, so later steps do not.
+
 tf-keras (Keras 2) models need a tf-keras callback: with
 `TF_USE_LEGACY_KERAS=1` (when `tf.keras` is tf-keras) `LossScaleMonitor()`
 and `XlaChecks()` are ones; with `tf_keras` imported directly, use
@@ -50,7 +70,9 @@ import functools
 
 import keras
 
+from tf_lossscale import float16_layers
 from tf_lossscale import optimizer_protocol
+from tf_lossscale import step_gradient_stats
 from tf_lossscale import xla_checks
 
 # Skips at most this many steps apart belong to one burst.
@@ -245,11 +267,16 @@ class _Monitor:
     """The monitor, for either framework's Callback base (the next class in
     the MRO); see `LossScaleMonitor`."""
 
-    def __init__(self, verbose=False):
+    def __init__(self, verbose=False, gradient_stats=False):
         if not isinstance(verbose, bool):
             raise TypeError(f"verbose must be a bool, got {verbose!r}")
+        if not isinstance(gradient_stats, bool):
+            raise TypeError(
+                f"gradient_stats must be a bool, got {gradient_stats!r}")
         super().__init__()
         self.verbose = verbose
+        self.gradient_stats = gradient_stats
+        self._stats = None
         self._optimizer = None
         self._scale = None
         self._skipped = None
@@ -274,6 +301,27 @@ class _Monitor:
         self._step = 0
         self._epoch_first_step = 0
         self._burst = None
+        if self.gradient_stats:
+            self._attach_stats()
+
+    def _attach_stats(self):
+        # A train function traced before now has no statistics in it: the
+        # step must be traced again, through Keras' public hook.
+        self._stats = step_gradient_stats.attach(
+            self._optimizer, float16_layers.float16_variables(self.model),
+            self.model.distribute_strategy)
+        self.model.make_train_function(force=True)
+
+    def _detach_stats(self):
+        if self._stats is not None:
+            self._stats = None
+            step_gradient_stats.detach(self._optimizer)
+            self.model.make_train_function(force=True)
+
+    def _log_stats(self, logs):
+        if self._stats is not None and logs is not None:
+            (logs["grad_underflow_share"],
+             logs["grad_headroom_log2"]) = self._stats.read()
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_first_step = self._step
@@ -286,6 +334,7 @@ class _Monitor:
         if logs is not None:
             logs["loss_scale"] = scale
             logs["skipped_steps"] = skipped
+        self._log_stats(logs)
         # With steps_per_execution > 1, `batch` is the execution's last step
         # and the steps before it in the execution are not seen one by one.
         first_step = self._step + 1
@@ -298,9 +347,11 @@ class _Monitor:
         if logs is not None:
             with self._watch.ending_on_error():
                 logs["loss_scale"], logs["skipped_steps"] = self._read()
+        self._log_stats(logs)
 
     def on_train_end(self, logs=None):
         self._watch.end()
+        self._detach_stats()
         self._end_burst()
 
     # Verbose mode.
@@ -347,10 +398,14 @@ class LossScaleMonitor(_Monitor, keras.callbacks.Callback):
       verbose: if True, print skipped steps, rate-limited (one line for the
         first skip of a burst, one summary line for the rest of it). Steps are
         counted from 1 at the start of each `fit` call.
+      gradient_stats: if True, also add `grad_underflow_share` and
+        `grad_headroom_log2`, measured in the train step (which costs that
+        step some work; see the module docstring).
 
     Raises:
-      TypeError: `verbose` is not a bool; at the start of training, the
-        model's optimizer is not a `tf_lossscale.LossScaleOptimizer`.
+      TypeError: `verbose` or `gradient_stats` is not a bool; at the start
+        of training, the model's optimizer is not a
+        `tf_lossscale.LossScaleOptimizer`.
 
     With `TF_USE_LEGACY_KERAS=1` the object made is a tf-keras callback
     (`for_tf_keras`).
@@ -362,11 +417,12 @@ class LossScaleMonitor(_Monitor, keras.callbacks.Callback):
         return super().__new__(cls)
 
     @staticmethod
-    def for_tf_keras(verbose=False):
+    def for_tf_keras(verbose=False, gradient_stats=False):
         """The monitor as a `tf_keras.callbacks.Callback`, for tf-keras'
         `fit`."""
         return _tf_keras_class(_Monitor, "TfKerasLossScaleMonitor",
-                               LossScaleMonitor.__doc__)(verbose)
+                               LossScaleMonitor.__doc__)(verbose,
+                                                         gradient_stats)
 
 
 @functools.lru_cache(maxsize=None)

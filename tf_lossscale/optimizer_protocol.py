@@ -77,6 +77,16 @@ class ScaledLossProtocol:
     `_reset_protocol()` in its constructor.
     """
 
+    # Opted-in per-step gradient statistics (`step_gradient_stats.attach`,
+    # which `LossScaleMonitor(gradient_stats=True)` calls); None: none.
+    _gradient_stats = None
+
+    def _stats_for(self, variables):
+        """What the step core records for a step over `variables`: None
+        unless statistics are attached."""
+        stats = self._gradient_stats
+        return None if stats is None else stats.selection(variables)
+
     def _reset_protocol(self):
         # `fit` of Keras 3 uses the Keras 3 protocol; the TF 2.x methods
         # switch it.

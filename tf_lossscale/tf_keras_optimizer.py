@@ -216,7 +216,8 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
                 list(zip(grads, variables)), name=name, **kwargs)
 
         step = loss_scaled_step.apply_or_skip(
-            self._loss_scale, grads, variables, apply_fn, self._skip_record())
+            self._loss_scale, grads, variables, apply_fn, self._skip_record(),
+            stats=self._stats_for(variables))
         return self.iterations if step is None else step
 
     def _skip_record(self):

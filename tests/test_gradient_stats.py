@@ -1,0 +1,99 @@
+"""`tf_lossscale.gradient_stats`: statistics against float16's range.
+
+Each figure is compared with numpy's count on the same values cast to
+float16, in eager mode, in a `tf.function` and under XLA (where a maximum
+skips NaN, so a NaN must still read as an overflow).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_lossscale import gradient_stats
+
+_MODES = {
+    "eager": lambda fn: fn,
+    "graph": tf.function,
+    "xla": lambda fn: tf.function(fn, jit_compile=True),
+}
+
+
+def _float16_values(seed=0, size=4000):
+    """float16 values spread from below 2**-24 to above 2**10, with zeros,
+    as float32 (a float32 variable's gradient under mixed_float16)."""
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal(size) * 2.0 ** rng.uniform(-30, 10, size)
+    values[::50] = 0.0
+    return values.astype(np.float16).astype(np.float32)
+
+
+@pytest.mark.parametrize("mode", _MODES)
+@pytest.mark.parametrize("scale", [1.0, 2.0**10, 2.0**-3])
+def test_scaled_stats_count_values_below_float16_normals(mode, scale):
+    grads = [_float16_values(0).reshape(40, 100), _float16_values(1)[:7],
+             None]
+    unscaled = [None if g is None else tf.constant(g / scale) for g in grads]
+
+    tiny, count, largest = _MODES[mode](
+        lambda: gradient_stats.scaled_gradient_stats(unscaled, scale))()
+
+    values = np.concatenate([np.ravel(g) for g in grads if g is not None])
+    assert count == values.size
+    assert tiny == np.sum(np.abs(values) < 2.0**-14)
+    assert 0 < tiny < values.size
+    assert largest == np.abs(values).max()
+
+
+@pytest.mark.parametrize("mode", _MODES)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_value_makes_the_largest_infinite(mode, bad):
+    values = _float16_values()
+    values[123] = bad
+
+    _, _, largest = _MODES[mode](
+        lambda: gradient_stats.scaled_gradient_stats(
+            [tf.constant(values)], 8.0))()
+
+    assert largest == np.inf
+
+
+def test_indexed_slices_count_their_rows():
+    values = _float16_values()[:30].reshape(10, 3)
+    grad = tf.IndexedSlices(tf.constant(values), tf.range(10),
+                            tf.constant([100, 3]))
+
+    tiny, count, largest = gradient_stats.scaled_gradient_stats([grad], 1.0)
+
+    assert count == 30
+    assert tiny == np.sum(np.abs(values) < 2.0**-14)
+    assert largest == np.abs(values).max()
+
+
+def test_no_gradients_give_zeros():
+    np.testing.assert_array_equal(
+        gradient_stats.scaled_gradient_stats([None], 4.0), [0.0, 0.0, 0.0])
+
+
+def test_underflow_count_compares_with_the_float32_gradient():
+    float32 = np.array([0.0, 1e-9, 1e-6, 1e-3, -1e-7, 0.0, 3.0], np.float32)
+    # As a float16 backward pass at scale 1 gives them: 1e-9 flushes to 0,
+    # 1e-6 and -1e-7 become subnormal; the two true zeros stay zeros.
+    float16 = float32.astype(np.float16).astype(np.float32)
+
+    assert gradient_stats.underflow_count(float16, float32) == 3
+    assert gradient_stats.nonzero_count(float32) == 5
+    # At scale 2**20 (3.0 left out: it would overflow), 1e-9 becomes ~1e-3
+    # and nothing but the true zeros is below 2**-14.
+    scaled = (float32[:-1] * 2.0**20).astype(np.float16).astype(np.float32)
+    assert gradient_stats.underflow_count(scaled, float32[:-1]) == 0
+
+
+@pytest.mark.parametrize("mode", _MODES)
+def test_largest_magnitude_of_tensors(mode):
+    values = _float16_values()
+    assert _MODES[mode](lambda: gradient_stats.largest_magnitude(
+        [tf.constant(values), tf.constant(values[:3])]))() == (
+            np.abs(values).max())
+    values[7] = np.nan
+    assert _MODES[mode](lambda: gradient_stats.largest_magnitude(
+        tf.constant(values)))() == np.inf
