@@ -41,6 +41,7 @@ from tf_lossscale import legacy_configs
 from tf_lossscale import loss_scaled_step
 from tf_lossscale import optimizer_arguments
 from tf_lossscale import optimizer_protocol
+from tf_lossscale import tf_keras_arguments
 
 _NEW_BASE = tf_keras.optimizers.Optimizer
 _LEGACY_BASE = tf_keras.optimizers.legacy.Optimizer
@@ -48,26 +49,45 @@ _LEGACY_BASE = tf_keras.optimizers.legacy.Optimizer
 
 def wrap(inner_optimizer, *args, **kwargs):
     """The tf-keras wrapper class for `inner_optimizer`, constructed with
-    the arguments of `tf_lossscale.LossScaleOptimizer`."""
+    the arguments of `tf_lossscale.LossScaleOptimizer`. Anything but a
+    tf-keras optimizer is refused as tf-keras refuses it."""
+    tf_keras_arguments.check_inner(inner_optimizer, (_NEW_BASE, _LEGACY_BASE),
+                                   tf_keras_lso.BaseLossScaleOptimizer)
     if isinstance(inner_optimizer, _LEGACY_BASE):
         return LegacyLossScaleOptimizer(inner_optimizer, *args, **kwargs)
     return LossScaleOptimizer(inner_optimizer, *args, **kwargs)
 
 
-def _check_inner(inner_optimizer, base):
-    if isinstance(inner_optimizer, tf_keras_lso.BaseLossScaleOptimizer):
-        raise ValueError(
-            f"inner_optimizer {inner_optimizer!r} is already a "
-            "LossScaleOptimizer; wrapping it again would scale the loss twice")
-    if not isinstance(inner_optimizer, base):
-        raise TypeError(
-            f"inner_optimizer must be a {base.__module__}.{base.__name__} "
-            f"instance, got {inner_optimizer!r}")
-    optimizer_arguments.check_unowned(inner_optimizer)
-    if getattr(inner_optimizer, "_is_wrapped_by_loss_scale_optimizer", False):
-        raise ValueError(
-            "inner_optimizer is already wrapped by tf-keras' "
-            "LossScaleOptimizer; give each wrapper its own optimizer")
+def _aggregate_legacy(inner_optimizer, pairs):
+    """What `OptimizerV2.apply_gradients` does to `pairs` to aggregate
+    them: its hook for unaggregated gradients, then its aggregation (the
+    `gradient_aggregator`, unless a subclass overrides it).
+
+    Private tf-keras methods (`OptimizerV2._transform_unaggregated_gradients`
+    and `_aggregate_gradients`, what tf-keras' own wrapper calls, and what
+    subclasses override; checked on tf-keras 2.16 and 2.21).
+    """
+    pairs = inner_optimizer._transform_unaggregated_gradients(pairs)  # pylint: disable=protected-access
+    return inner_optimizer._aggregate_gradients(pairs)  # pylint: disable=protected-access
+
+
+def _track_tf22_slot_placeholder(wrapper, inner_optimizer):
+    """Lets TF 2.2 checkpoints of tf-keras' wrapper restore the slots.
+
+    TF 2.2's wrapper saved its inner optimizer (and so its slots) under
+    `base_optimizer`; tf-keras tracks a placeholder there that hands those
+    slots to the inner optimizer, and so does this wrapper. It holds no
+    variable, so checkpoints written now are unchanged but for the empty
+    entry tf-keras' wrapper writes too.
+
+    Private tf-keras class (`tf_keras.src.mixed_precision.
+    loss_scale_optimizer.FakeOptimizerForRestoration`; checked on tf-keras
+    2.16 and 2.21).
+    """
+    # Tracked on the inner optimizer, as everything the wrapper tracks.
+    wrapper._track_trackable(  # pylint: disable=protected-access
+        tf_keras_lso.FakeOptimizerForRestoration(inner_optimizer),
+        "base_optimizer")
 
 
 def _key(variable):
@@ -89,8 +109,12 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
     def __init__(self, inner_optimizer, loss_scale="dynamic", name=None, *,
                  initial_scale=None, dynamic_growth_steps=None, dynamic=None,
                  **kwargs):
-        _check_inner(inner_optimizer, self._INNER_BASE)
+        tf_keras_arguments.check_inner(inner_optimizer, self._INNER_BASE,
+                                       tf_keras_lso.BaseLossScaleOptimizer)
         optimizer_arguments.check_base_optimizer_kwargs(kwargs)
+        tf_keras_arguments.check_keras_style_arguments(
+            dynamic, initial_scale, dynamic_growth_steps)
+        tf_keras_arguments.check_strategy()
         resolved = optimizer_arguments.resolve_loss_scale(
             loss_scale, dynamic, initial_scale, dynamic_growth_steps)
         # First: the legacy class's __setattr__ reads the inner optimizer.
@@ -187,25 +211,32 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
         """Applies the gradients unless the step's are not all finite.
 
         Gradients are unscaled (TF 2.x protocol: `get_unscaled_gradients`,
-        as `fit` and `minimize` do), or scaled after `scale_loss`. Must be
-        called in a replica context. `kwargs` (`skip_gradients_aggregation`,
-        `experimental_aggregate_gradients`) go to the inner optimizer.
+        as `fit` and `minimize` do), or scaled after `scale_loss`. Those of
+        a loss that was never scaled are applied as given, with tf-keras'
+        warning. Must be called in a replica context. As in tf-keras, the
+        gradients are aggregated across replicas first (the inner
+        optimizer's aggregation, custom `gradient_aggregator` included) and
+        the aggregate is what is checked and applied; `kwargs` are the inner
+        optimizer's (`experimental_aggregate_gradients`,
+        `skip_gradients_aggregation`).
         """
         self.check_unscaled()
         optimizer_protocol.check_replica_context()
-        distribution.check_supported()
+        tf_keras_arguments.check_strategy()
+        tf_keras_arguments.warn_if_not_scaled(
+            self._loss_scaled, self._caller_unscales)
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]
         if not pairs:
             raise ValueError("No gradients provided for any variable")
+        pairs = self._aggregate(pairs, **kwargs)
         grads, variables = (list(part) for part in zip(*pairs))
         self._build(variables)
-        if not self._caller_unscales:
+        if self._loss_scaled and not self._caller_unscales:
             grads = loss_scaled_step.unscale_for_apply(
                 grads, variables, self._loss_scale())
 
         def apply_fn(grads, variables):
-            return self._optimizer.apply_gradients(
-                list(zip(grads, variables)), name=name, **kwargs)
+            return self._apply_aggregated(list(zip(grads, variables)), name)
 
         step = loss_scaled_step.apply_or_skip(
             self._loss_scale, grads, variables, apply_fn, self._skip_record())
@@ -252,6 +283,21 @@ class LossScaleOptimizer(_TfKerasWrapper, tf_keras_lso.LossScaleOptimizerV3):
         with tf.init_scope():
             self._optimizer.build(var_list)
 
+    def _aggregate(self, pairs, skip_gradients_aggregation=False,
+                   experimental_aggregate_gradients=True):
+        """The inner optimizer's all-replica aggregate of `pairs` (its public
+        `aggregate_gradients`), unless the caller aggregated them."""
+        if skip_gradients_aggregation or not experimental_aggregate_gradients:
+            return pairs
+        return list(self._optimizer.aggregate_gradients(pairs))
+
+    def _apply_aggregated(self, pairs, name):
+        # As tf-keras' wrapper calls it: no `name`, which a subclass's
+        # apply_gradients may not take.
+        del name
+        return self._optimizer.apply_gradients(
+            pairs, skip_gradients_aggregation=True)
+
     def _inner_variables(self):
         return self._optimizer.variables
 
@@ -273,9 +319,25 @@ class LegacyLossScaleOptimizer(_TfKerasWrapper,
 
     _INNER_BASE = _LEGACY_BASE
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _track_tf22_slot_placeholder(self, self._optimizer)
+
     def _build_inner(self, var_list):
         with tf.init_scope():
             self._optimizer._create_all_weights(var_list)  # pylint: disable=protected-access
+
+    def _aggregate(self, pairs, experimental_aggregate_gradients=True):
+        """The inner optimizer's all-replica aggregate of `pairs` (its
+        `gradient_aggregator`), unless the caller aggregated them."""
+        if not experimental_aggregate_gradients:
+            return pairs
+        return list(_aggregate_legacy(self._optimizer, pairs))
+
+    def _apply_aggregated(self, pairs, name):
+        # As tf-keras' wrapper calls it.
+        return self._optimizer.apply_gradients(
+            pairs, name=name, experimental_aggregate_gradients=False)
 
     def _inner_variables(self):
         return self._optimizer.variables()
@@ -290,3 +352,7 @@ class LegacyLossScaleOptimizer(_TfKerasWrapper,
     @property
     def weights(self):
         return self._all_variables()
+
+
+# What `isinstance(opt, tf_lossscale.LossScaleOptimizer)` also accepts.
+WRAPPER_CLASSES = (LossScaleOptimizer, LegacyLossScaleOptimizer)
