@@ -23,6 +23,15 @@ tf_lossscale's (`tf_lossscale.loss_scaled_step`), so unlike tf-keras':
 * any `tf_lossscale` loss scale, fixed scales that skip included;
 * one agreed decision across replicas and workers before any collective.
 
+What tf-keras users' code relies on is as with tf-keras' wrapper: the
+gradients are aggregated across replicas first, by the inner optimizer's
+own aggregation (a custom `gradient_aggregator` included), and the aggregate
+is checked and applied; the inner `apply_gradients` gets tf-keras' arguments;
+gradients of a loss never scaled are applied as given, with tf-keras'
+warning; refused arguments raise tf-keras' exception types and phrases
+(`tf_lossscale.tf_keras_arguments`); TF 2.2 checkpoints restore their slots.
+What still differs, and why: docs/guides/tf-keras.md.
+
 State and formats, as tf-keras' wrapper has them: checkpoint dependencies are
 the inner optimizer's plus `loss_scale` (and `skipped_steps`), so checkpoints
 of tf-keras' wrapper restore into this one and back; `variables` (and the
@@ -36,7 +45,6 @@ import tensorflow as tf
 import tf_keras
 from tf_keras.src.mixed_precision import loss_scale_optimizer as tf_keras_lso
 
-from tf_lossscale import distribution
 from tf_lossscale import legacy_configs
 from tf_lossscale import loss_scaled_step
 from tf_lossscale import optimizer_arguments
