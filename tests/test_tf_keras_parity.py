@@ -80,6 +80,25 @@ def test_a_nan_made_by_the_aggregation_is_skipped_counted_and_backs_off(
     assert optimizer.last_nonfinite_variables() == [variables[1].name]
 
 
+@pytest.mark.parametrize("kind", sorted(_KINDS))
+def test_gradients_the_caller_aggregated_are_not_aggregated_again(kind):
+    results = {}
+    for which, wrap in _WRAPPERS.items():
+        optimizer = wrap(_nan_aggregating(kind), dynamic=False,
+                         initial_scale=1)
+        optimizer.get_scaled_loss(tf.constant(1.0))
+        variable = tf.Variable([1.0])
+        pairs = list(zip(optimizer.get_unscaled_gradients(
+            [tf.constant([1.0])]), [variable]))
+        if kind == "legacy":  # OptimizerV2's positional arguments.
+            optimizer.apply_gradients(pairs, None, False)
+        else:
+            optimizer.apply_gradients(pairs, skip_gradients_aggregation=True)
+        results[which] = variable.numpy()
+    np.testing.assert_equal(results["ours"], results["theirs"])
+    np.testing.assert_equal(results["ours"], [0.0])
+
+
 def _recording(kind, calls):
     """An optimizer whose apply_gradients has tf-keras' signature for its
     kind minus `name` (the new kind) and records how it is called."""

@@ -335,6 +335,14 @@ class LegacyLossScaleOptimizer(_TfKerasWrapper,
         with tf.init_scope():
             self._optimizer._create_all_weights(var_list)  # pylint: disable=protected-access
 
+    def apply_gradients(self, grads_and_vars, name=None,
+                        experimental_aggregate_gradients=True):
+        """`_TfKerasWrapper.apply_gradients`, with `OptimizerV2`'s
+        signature."""
+        return super().apply_gradients(
+            grads_and_vars, name,
+            experimental_aggregate_gradients=experimental_aggregate_gradients)
+
     def _aggregate(self, pairs, experimental_aggregate_gradients=True):
         """The inner optimizer's all-replica aggregate of `pairs` (its
         `gradient_aggregator`), unless the caller aggregated them."""
