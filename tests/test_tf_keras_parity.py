@@ -254,11 +254,22 @@ def test_loss_scale_is_fetched_by_a_tf1_session_without_growing_the_graph():
     assert (before, after) == (2.0**15, 2.0**14)
 
 
-def _captured_tf_warnings():
-    records = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append
-    return records, handler
+class _CapturedTfWarnings:
+    """Records what TensorFlow's logger emits at WARNING and above, whatever
+    level earlier tests left it at."""
+
+    def __enter__(self):
+        self.records = []
+        self._handler = logging.Handler(logging.WARNING)
+        self._handler.emit = self.records.append
+        self._level = tf.get_logger().level
+        tf.get_logger().setLevel(logging.WARNING)
+        tf.get_logger().addHandler(self._handler)
+        return self.records
+
+    def __exit__(self, *exc_info):
+        tf.get_logger().removeHandler(self._handler)
+        tf.get_logger().setLevel(self._level)
 
 
 @pytest.mark.parametrize("kind", sorted(_KINDS))
@@ -277,12 +288,8 @@ def test_gradients_of_an_unscaled_loss_are_applied_as_given_with_tf_keras_warnin
             optimizer.get_scaled_loss(tf.constant(1.0))
         if "get_unscaled_gradients" in calls:
             optimizer.get_unscaled_gradients([tf.constant(1.0)])
-        records, handler = _captured_tf_warnings()
-        tf.get_logger().addHandler(handler)
-        try:
+        with _CapturedTfWarnings() as records:
             optimizer.apply_gradients([(tf.constant(1.0), variable)])
-        finally:
-            tf.get_logger().removeHandler(handler)
         values[which] = variable.numpy()
         messages[which] = [r.getMessage() for r in records
                            if "You forgot to call" in r.getMessage()]
@@ -300,13 +307,9 @@ def test_scale_loss_protocol_still_unscales_without_a_warning():
     variable = tf.Variable(1.0)
     with tf.GradientTape() as tape:
         scaled = optimizer.scale_loss(variable * 1.0)
-    records, handler = _captured_tf_warnings()
-    tf.get_logger().addHandler(handler)
-    try:
+    with _CapturedTfWarnings() as records:
         optimizer.apply_gradients(
             [(tape.gradient(scaled, variable), variable)])
-    finally:
-        tf.get_logger().removeHandler(handler)
     assert variable.numpy() == 0.0
     assert not [r for r in records if "You forgot" in r.getMessage()]
 

@@ -339,8 +339,10 @@ class LegacyLossScaleOptimizer(_TfKerasWrapper,
                         experimental_aggregate_gradients=True):
         """`_TfKerasWrapper.apply_gradients`, with `OptimizerV2`'s
         signature."""
-        return super().apply_gradients(
-            grads_and_vars, name,
+        # Not super(): autograph converts this method inside a tf.function,
+        # and a zero-argument super() does not survive the conversion.
+        return _TfKerasWrapper.apply_gradients(
+            self, grads_and_vars, name,
             experimental_aggregate_gradients=experimental_aggregate_gradients)
 
     def _aggregate(self, pairs, experimental_aggregate_gradients=True):
