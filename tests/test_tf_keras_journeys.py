@@ -30,6 +30,7 @@ JOURNEYS = [
     "custom_loop_and_minimize_skip_non_finite_steps",
     "fit_under_mirrored_strategy_skips_a_nan_on_one_replica",
     "keras_h5_and_saved_model_files_keep_the_wrapper_and_the_scale",
+    "tf_keras_code_reads_the_scale_and_asks_isinstance",
     "checkpoints_of_tf_keras_own_wrapper_restore_into_ours_and_back",
     "configs_written_by_tf_keras_wrapper_load",
     "fixed_scale_that_skips_non_finite_steps",

@@ -86,20 +86,63 @@ def test_keras3_optimizers_still_get_the_keras3_wrapper():
     assert isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
 
-def test_refuses_tf_keras_own_wrapper_and_shared_inner_optimizers():
-    theirs = tf_keras.mixed_precision.LossScaleOptimizer(
-        tf_keras.optimizers.SGD())
-    with pytest.raises(ValueError, match="already a LossScaleOptimizer"):
-        tf_lossscale.LossScaleOptimizer(theirs)
-    inner = tf_keras.optimizers.SGD()
+@pytest.mark.parametrize("kind", sorted(_KINDS))
+def test_refuses_what_tf_keras_refuses_with_its_exception_types(kind):
+    # tf-keras users' code matches these types and phrases.
+    theirs = tf_keras.mixed_precision.LossScaleOptimizer(_KINDS[kind]())
+    ours = tf_lossscale.LossScaleOptimizer(_KINDS[kind]())
+    for wrapper in (theirs, ours):
+        with pytest.raises(TypeError, match="LossScaleOptimizer cannot wrap "
+                           "another LossScaleOptimizer, but got: <"):
+            tf_lossscale.LossScaleOptimizer(wrapper)
+    inner = _KINDS[kind]()
     first = tf_lossscale.LossScaleOptimizer(inner)
-    with pytest.raises(ValueError, match="already wrapped"):
+    already = ('"inner_optimizer" is already wrapped by a LossScaleOptimizer. '
+               "An optimizer can only be wrapped by a single")
+    with pytest.raises(ValueError, match=already):
         tf_lossscale.LossScaleOptimizer(inner)
-    with pytest.raises(ValueError, match="already wrapped"):
+    with pytest.raises(ValueError, match=already):
         tf_keras.mixed_precision.LossScaleOptimizer(inner)
     del first
-    with pytest.raises(TypeError, match="inner_optimizer must be a"):
+    with pytest.raises(TypeError, match='"dynamic" argument to '
+                       r"LossScaleOptimizer.__init__ must be a bool, but got: "
+                       "'dynamic'"):
+        tf_lossscale.LossScaleOptimizer(_KINDS[kind](), dynamic="dynamic")
+    with pytest.raises(ValueError, match='"initial_scale" must be specified '
+                       'if "dynamic" is False'):
+        tf_lossscale.LossScaleOptimizer(_KINDS[kind](), dynamic=False)
+    with pytest.raises(ValueError, match='"dynamic_growth_steps" must be None '
+                       'if "dynamic" is False, but got: 2'):
+        tf_lossscale.LossScaleOptimizer(_KINDS[kind](), dynamic=False,
+                                        initial_scale=1,
+                                        dynamic_growth_steps=2)
+
+
+def test_a_non_optimizer_among_tf_keras_objects_is_refused_naming_tf_keras():
+    with pytest.raises(TypeError, match='"inner_optimizer" must be an '
+                       "instance of `tf.keras.optimizers.Optimizer` or "
+                       "`tf.keras.optimizers.experimental.Optimizer`, but "
+                       "got: <tf_keras"):
         tf_lossscale.LossScaleOptimizer(tf_keras.layers.Dense(1))
+
+
+@pytest.mark.parametrize("kind", sorted(_KINDS))
+def test_unsupported_strategy_is_refused_in_tf_keras_words(kind):
+    expected = ("Loss scaling is not supported with the tf.distribute."
+                "Strategy: CentralStorageStrategy. Try using a different "
+                "Strategy, e.g. a MirroredStrategy")
+    strategy = tf.distribute.experimental.CentralStorageStrategy()
+    with strategy.scope(), pytest.raises(ValueError, match=expected):
+        tf_lossscale.LossScaleOptimizer(_KINDS[kind]())
+    optimizer = tf_lossscale.LossScaleOptimizer(_KINDS[kind](),
+                                                loss_scale=2)
+    with strategy.scope():
+        variable = tf.Variable(1.0)
+        values = _values([variable])
+        with pytest.raises(ValueError, match=expected):
+            strategy.run(lambda: optimizer.minimize(lambda: variable * 2.0,
+                                                    [variable]))
+    np.testing.assert_equal(_values([variable]), values)
 
 
 @pytest.mark.parametrize("kind", sorted(_KINDS))

@@ -231,6 +231,34 @@ def keras_h5_and_saved_model_files_keep_the_wrapper_and_the_scale():
 
 
 @journey
+def tf_keras_code_reads_the_scale_and_asks_isinstance():
+    # What tf-keras code does with its own wrapper, with ours.
+    class LogScale(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            logs["scale"] = keras.backend.get_value(
+                self.model.optimizer.loss_scale)
+
+    model, history = _fit(_ours(keras.optimizers.SGD(0.01)), nan_batches=[1],
+                          callbacks=[LogScale()])
+    optimizer = model.optimizer
+    assert history.history["scale"] == [float(optimizer.loss_scale)] == [
+        float(optimizer.loss_scale())] == [2.0**9]
+    for name in ("model.keras", "model.h5"):
+        path = os.path.join(_TMP, f"isinstance_{name}")
+        model.save(path)
+        loaded = keras.models.load_model(path).optimizer
+        assert isinstance(loaded, tf_lossscale.LossScaleOptimizer), name
+        assert isinstance(loaded, keras.mixed_precision.LossScaleOptimizer)
+        assert float(loaded.loss_scale) == 2.0**9, name
+    try:
+        tf_lossscale.LossScaleOptimizer(1)
+    except TypeError as error:
+        assert "`tf.keras.optimizers.Optimizer`" in str(error), error
+    else:
+        raise AssertionError("a non-optimizer was wrapped")
+
+
+@journey
 def checkpoints_of_tf_keras_own_wrapper_restore_into_ours_and_back():
     theirs_model, _ = _fit(keras.mixed_precision.LossScaleOptimizer(
         keras.optimizers.Adam(0.01), initial_scale=2.0**12,

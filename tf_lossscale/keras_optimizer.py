@@ -49,6 +49,8 @@ files, checkpoints, and what they can be restored from) is in
 `tf_lossscale.optimizer_saving`.
 """
 
+import sys
+
 import keras
 import tensorflow as tf
 
@@ -61,10 +63,50 @@ from tf_lossscale import optimizer_saving
 from tf_lossscale import xla_checks
 
 
+_NOT_GIVEN = object()
+
+
+class _OneNameForEveryKeras(type):
+    """`isinstance(opt, tf_lossscale.LossScaleOptimizer)` is True for what
+    `tf_lossscale.LossScaleOptimizer(...)` returns, whichever Keras: the
+    tf-keras wrappers (`tf_lossscale.tf_keras_optimizer`) subclass tf-keras'
+    own wrapper instead, so they answer here. Subclasses of the Keras 3 class
+    keep the plain answer."""
+
+    def __instancecheck__(cls, instance):
+        return super().__instancecheck__(instance) or (
+            cls is LossScaleOptimizer and isinstance(instance, _tf_keras_wrapper_classes()))
+
+    def __subclasscheck__(cls, subclass):
+        return super().__subclasscheck__(subclass) or (
+            cls is LossScaleOptimizer and issubclass(subclass, _tf_keras_wrapper_classes()))
+
+
+def _tf_keras_wrapper_classes():
+    """The tf-keras wrapper classes, if their module was imported (no
+    tf-keras wrapper exists before); never imports tf_keras."""
+    module = sys.modules.get("tf_lossscale.tf_keras_optimizer")
+    return module.WRAPPER_CLASSES if module is not None else ()
+
+
+def _for_tf_keras(inner_optimizer):
+    """Whether `inner_optimizer` gets a tf-keras wrapper: a tf-keras
+    optimizer; with `tf.keras` being tf-keras (whose wrappers are imported
+    with the package then), anything but a Keras 3 optimizer, so a mistake
+    is reported in tf-keras' terms."""
+    if optimizer_protocol.comes_from_tf_keras(inner_optimizer):
+        return True
+    return bool(optimizer_protocol.tf_keras_is_tf_keras()
+                and _tf_keras_wrapper_classes()
+                and not isinstance(inner_optimizer,
+                                   keras.optimizers.Optimizer))
+
+
 @keras.saving.register_keras_serializable(package="tf_lossscale")
 class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
                          optimizer_protocol.ScaledLossProtocol,
-                         keras.optimizers.LossScaleOptimizer):
+                         keras.optimizers.LossScaleOptimizer,
+                         metaclass=_OneNameForEveryKeras):
     """Wraps a Keras optimizer with loss scaling by a `tf_lossscale.LossScale`.
 
     Args:
@@ -93,13 +135,17 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
     `skipped_steps` counts the steps skipped for non-finite gradients.
 
     A tf-keras (Keras 2) inner optimizer gets the tf-keras wrapper instead,
-    `tf_lossscale.tf_keras_optimizer`, with the same arguments.
+    `tf_lossscale.tf_keras_optimizer`, with the same arguments; with
+    `TF_USE_LEGACY_KERAS=1` so does anything that is not a Keras 3
+    optimizer, refused in tf-keras' terms. `isinstance(opt,
+    tf_lossscale.LossScaleOptimizer)` holds for both kinds.
     """
 
-    def __new__(cls, inner_optimizer=None, *args, **kwargs):
+    def __new__(cls, inner_optimizer=_NOT_GIVEN, *args, **kwargs):
         # tf-keras users write the same `tf_lossscale.LossScaleOptimizer(
         # tf.keras.optimizers.Adam())`; tf_keras is imported only for them.
-        if optimizer_protocol.comes_from_tf_keras(inner_optimizer):
+        if inner_optimizer is not _NOT_GIVEN and _for_tf_keras(
+                inner_optimizer):
             from tf_lossscale import tf_keras_optimizer  # pylint: disable=g-import-not-at-top
             return tf_keras_optimizer.wrap(inner_optimizer, *args, **kwargs)
         return super().__new__(cls)

@@ -103,6 +103,7 @@ import tensorflow as tf
 
 from tf_lossscale import distribution
 from tf_lossscale import failure_policy
+from tf_lossscale import scale_reading
 from tf_lossscale import validation
 from tf_lossscale import xla_checks
 from tf_lossscale import xla_record
@@ -144,8 +145,13 @@ def _update_from_grads(loss_scale, grads):
         gated=tf.compat.v1.executing_eagerly_outside_functions())
 
 
-class LossScale(tf.__internal__.tracking.Trackable, metaclass=abc.ABCMeta):
+class LossScale(scale_reading.ReadsAsTensor, tf.__internal__.tracking.Trackable,
+                metaclass=abc.ABCMeta):
     """Abstract base of loss scales; see the module docstring for the contract.
+
+    A loss scale also reads as its current value wherever a scalar float32
+    tensor would (`float(scale)`, `tf.convert_to_tensor(scale)`,
+    `tf.keras.backend.get_value(scale)`): see `tf_lossscale.scale_reading`.
 
     Subclasses create their state variables in `__init__` with
     `_add_state_variable`, which also names them for checkpoints.

@@ -93,6 +93,10 @@ class ScaledLossProtocol:
         self._caller_unscales = False
         # Set by get_scaled_loss until get_unscaled_gradients is called.
         self._awaiting_unscale = False
+        # Whether scale_loss or get_scaled_loss was ever called: gradients
+        # applied before that come from a loss never scaled (the tf-keras
+        # wrapper applies them as given, as tf-keras does).
+        self._loss_scaled = False
 
     @property
     def loss_scale(self):
@@ -137,6 +141,7 @@ class ScaledLossProtocol:
         takes the scaled gradients and unscales them."""
         self._caller_unscales = False
         self._awaiting_unscale = False
+        self._loss_scaled = True
         return self._scale(loss)
 
     def get_scaled_loss(self, loss):
@@ -148,6 +153,7 @@ class ScaledLossProtocol:
         """
         self._caller_unscales = False
         self._awaiting_unscale = True
+        self._loss_scaled = True
         return self._scale(loss)
 
     def get_unscaled_gradients(self, grads):

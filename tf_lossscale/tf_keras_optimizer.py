@@ -23,6 +23,15 @@ tf_lossscale's (`tf_lossscale.loss_scaled_step`), so unlike tf-keras':
 * any `tf_lossscale` loss scale, fixed scales that skip included;
 * one agreed decision across replicas and workers before any collective.
 
+What tf-keras users' code relies on is as with tf-keras' wrapper: the
+gradients are aggregated across replicas first, by the inner optimizer's
+own aggregation (a custom `gradient_aggregator` included), and the aggregate
+is checked and applied; the inner `apply_gradients` gets tf-keras' arguments;
+gradients of a loss never scaled are applied as given, with tf-keras'
+warning; refused arguments raise tf-keras' exception types and phrases
+(`tf_lossscale.tf_keras_arguments`); TF 2.2 checkpoints restore their slots.
+What still differs, and why: docs/guides/tf-keras.md.
+
 State and formats, as tf-keras' wrapper has them: checkpoint dependencies are
 the inner optimizer's plus `loss_scale` (and `skipped_steps`), so checkpoints
 of tf-keras' wrapper restore into this one and back; `variables` (and the
@@ -36,11 +45,11 @@ import tensorflow as tf
 import tf_keras
 from tf_keras.src.mixed_precision import loss_scale_optimizer as tf_keras_lso
 
-from tf_lossscale import distribution
 from tf_lossscale import legacy_configs
 from tf_lossscale import loss_scaled_step
 from tf_lossscale import optimizer_arguments
 from tf_lossscale import optimizer_protocol
+from tf_lossscale import tf_keras_arguments
 from tf_lossscale import xla_checks
 
 _NEW_BASE = tf_keras.optimizers.Optimizer
@@ -49,26 +58,45 @@ _LEGACY_BASE = tf_keras.optimizers.legacy.Optimizer
 
 def wrap(inner_optimizer, *args, **kwargs):
     """The tf-keras wrapper class for `inner_optimizer`, constructed with
-    the arguments of `tf_lossscale.LossScaleOptimizer`."""
+    the arguments of `tf_lossscale.LossScaleOptimizer`. Anything but a
+    tf-keras optimizer is refused as tf-keras refuses it."""
+    tf_keras_arguments.check_inner(inner_optimizer, (_NEW_BASE, _LEGACY_BASE),
+                                   tf_keras_lso.BaseLossScaleOptimizer)
     if isinstance(inner_optimizer, _LEGACY_BASE):
         return LegacyLossScaleOptimizer(inner_optimizer, *args, **kwargs)
     return LossScaleOptimizer(inner_optimizer, *args, **kwargs)
 
 
-def _check_inner(inner_optimizer, base):
-    if isinstance(inner_optimizer, tf_keras_lso.BaseLossScaleOptimizer):
-        raise ValueError(
-            f"inner_optimizer {inner_optimizer!r} is already a "
-            "LossScaleOptimizer; wrapping it again would scale the loss twice")
-    if not isinstance(inner_optimizer, base):
-        raise TypeError(
-            f"inner_optimizer must be a {base.__module__}.{base.__name__} "
-            f"instance, got {inner_optimizer!r}")
-    optimizer_arguments.check_unowned(inner_optimizer)
-    if getattr(inner_optimizer, "_is_wrapped_by_loss_scale_optimizer", False):
-        raise ValueError(
-            "inner_optimizer is already wrapped by tf-keras' "
-            "LossScaleOptimizer; give each wrapper its own optimizer")
+def _aggregate_legacy(inner_optimizer, pairs):
+    """What `OptimizerV2.apply_gradients` does to `pairs` to aggregate
+    them: its hook for unaggregated gradients, then its aggregation (the
+    `gradient_aggregator`, unless a subclass overrides it).
+
+    Private tf-keras methods (`OptimizerV2._transform_unaggregated_gradients`
+    and `_aggregate_gradients`, what tf-keras' own wrapper calls, and what
+    subclasses override; checked on tf-keras 2.16 and 2.21).
+    """
+    pairs = inner_optimizer._transform_unaggregated_gradients(pairs)  # pylint: disable=protected-access
+    return inner_optimizer._aggregate_gradients(pairs)  # pylint: disable=protected-access
+
+
+def _track_tf22_slot_placeholder(wrapper, inner_optimizer):
+    """Lets TF 2.2 checkpoints of tf-keras' wrapper restore the slots.
+
+    TF 2.2's wrapper saved its inner optimizer (and so its slots) under
+    `base_optimizer`; tf-keras tracks a placeholder there that hands those
+    slots to the inner optimizer, and so does this wrapper. It holds no
+    variable, so checkpoints written now are unchanged but for the empty
+    entry tf-keras' wrapper writes too.
+
+    Private tf-keras class (`tf_keras.src.mixed_precision.
+    loss_scale_optimizer.FakeOptimizerForRestoration`; checked on tf-keras
+    2.16 and 2.21).
+    """
+    # Tracked on the inner optimizer, as everything the wrapper tracks.
+    wrapper._track_trackable(  # pylint: disable=protected-access
+        tf_keras_lso.FakeOptimizerForRestoration(inner_optimizer),
+        "base_optimizer")
 
 
 def _key(variable):
@@ -90,8 +118,12 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
     def __init__(self, inner_optimizer, loss_scale="dynamic", name=None, *,
                  initial_scale=None, dynamic_growth_steps=None, dynamic=None,
                  **kwargs):
-        _check_inner(inner_optimizer, self._INNER_BASE)
+        tf_keras_arguments.check_inner(inner_optimizer, self._INNER_BASE,
+                                       tf_keras_lso.BaseLossScaleOptimizer)
         optimizer_arguments.check_base_optimizer_kwargs(kwargs)
+        tf_keras_arguments.check_keras_style_arguments(
+            dynamic, initial_scale, dynamic_growth_steps)
+        tf_keras_arguments.check_strategy()
         resolved = optimizer_arguments.resolve_loss_scale(
             loss_scale, dynamic, initial_scale, dynamic_growth_steps)
         # First: the legacy class's __setattr__ reads the inner optimizer.
@@ -194,26 +226,33 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
         """Applies the gradients unless the step's are not all finite.
 
         Gradients are unscaled (TF 2.x protocol: `get_unscaled_gradients`,
-        as `fit` and `minimize` do), or scaled after `scale_loss`. Must be
-        called in a replica context. `kwargs` (`skip_gradients_aggregation`,
-        `experimental_aggregate_gradients`) go to the inner optimizer.
+        as `fit` and `minimize` do), or scaled after `scale_loss`. Those of
+        a loss that was never scaled are applied as given, with tf-keras'
+        warning. Must be called in a replica context. As in tf-keras, the
+        gradients are aggregated across replicas first (the inner
+        optimizer's aggregation, custom `gradient_aggregator` included) and
+        the aggregate is what is checked and applied; `kwargs` are the inner
+        optimizer's (`experimental_aggregate_gradients`,
+        `skip_gradients_aggregation`).
         """
         self.check_unscaled()
         optimizer_protocol.check_replica_context()
-        distribution.check_supported()
+        tf_keras_arguments.check_strategy()
         loss_scaled_step.check_traceable(self._loss_scale)
+        tf_keras_arguments.warn_if_not_scaled(
+            self._loss_scaled, self._caller_unscales)
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]
         if not pairs:
             raise ValueError("No gradients provided for any variable")
+        pairs = self._aggregate(pairs, **kwargs)
         grads, variables = (list(part) for part in zip(*pairs))
         self._build(variables)
-        if not self._caller_unscales:
+        if self._loss_scaled and not self._caller_unscales:
             grads = loss_scaled_step.unscale_for_apply(
                 grads, variables, self._loss_scale())
 
         def apply_fn(grads, variables):
-            return self._optimizer.apply_gradients(
-                list(zip(grads, variables)), name=name, **kwargs)
+            return self._apply_aggregated(list(zip(grads, variables)), name)
 
         step = loss_scaled_step.apply_or_skip(
             self._loss_scale, grads, variables, apply_fn, self._skip_record(),
@@ -261,6 +300,21 @@ class LossScaleOptimizer(_TfKerasWrapper, tf_keras_lso.LossScaleOptimizerV3):
         with tf.init_scope():
             self._optimizer.build(var_list)
 
+    def _aggregate(self, pairs, skip_gradients_aggregation=False,
+                   experimental_aggregate_gradients=True):
+        """The inner optimizer's all-replica aggregate of `pairs` (its public
+        `aggregate_gradients`), unless the caller aggregated them."""
+        if skip_gradients_aggregation or not experimental_aggregate_gradients:
+            return pairs
+        return list(self._optimizer.aggregate_gradients(pairs))
+
+    def _apply_aggregated(self, pairs, name):
+        # As tf-keras' wrapper calls it: no `name`, which a subclass's
+        # apply_gradients may not take.
+        del name
+        return self._optimizer.apply_gradients(
+            pairs, skip_gradients_aggregation=True)
+
     def _inner_variables(self):
         return self._optimizer.variables
 
@@ -289,9 +343,35 @@ class LegacyLossScaleOptimizer(_TfKerasWrapper,
 
     _INNER_BASE = _LEGACY_BASE
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _track_tf22_slot_placeholder(self, self._optimizer)
+
     def _build_inner(self, var_list):
         with tf.init_scope():
             self._optimizer._create_all_weights(var_list)  # pylint: disable=protected-access
+
+    def apply_gradients(self, grads_and_vars, name=None,
+                        experimental_aggregate_gradients=True):
+        """`_TfKerasWrapper.apply_gradients`, with `OptimizerV2`'s
+        signature."""
+        # Not super(): autograph converts this method inside a tf.function,
+        # and a zero-argument super() does not survive the conversion.
+        return _TfKerasWrapper.apply_gradients(
+            self, grads_and_vars, name,
+            experimental_aggregate_gradients=experimental_aggregate_gradients)
+
+    def _aggregate(self, pairs, experimental_aggregate_gradients=True):
+        """The inner optimizer's all-replica aggregate of `pairs` (its
+        `gradient_aggregator`), unless the caller aggregated them."""
+        if not experimental_aggregate_gradients:
+            return pairs
+        return list(_aggregate_legacy(self._optimizer, pairs))
+
+    def _apply_aggregated(self, pairs, name):
+        # As tf-keras' wrapper calls it.
+        return self._optimizer.apply_gradients(
+            pairs, name=name, experimental_aggregate_gradients=False)
 
     def _inner_variables(self):
         return self._optimizer.variables()
@@ -306,3 +386,7 @@ class LegacyLossScaleOptimizer(_TfKerasWrapper,
     @property
     def weights(self):
         return self._all_variables()
+
+
+# What `isinstance(opt, tf_lossscale.LossScaleOptimizer)` also accepts.
+WRAPPER_CLASSES = (LossScaleOptimizer, LegacyLossScaleOptimizer)
