@@ -252,7 +252,8 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
             from tf_lossscale import tf_keras_optimizer  # pylint: disable=g-import-not-at-top
             return tf_keras_optimizer.LossScaleOptimizer.from_config(
                 config, custom_objects)
-        inner_config, kwargs = legacy_configs.to_constructor_arguments(config)
+        inner_config, kwargs = legacy_configs.to_constructor_arguments(
+            config, custom_objects)
         inner = keras.optimizers.deserialize(inner_config,
                                              custom_objects=custom_objects)
         return cls(inner, **kwargs)

@@ -226,7 +226,8 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         """Creates the wrapper from its config or tf-keras' wrapper's."""
-        inner_config, kwargs = legacy_configs.split_inner_optimizer(config)
+        inner_config, kwargs = legacy_configs.split_inner_optimizer(
+            config, custom_objects, optimizer_types=(_NEW_BASE, _LEGACY_BASE))
         inner = inner_config
         if not isinstance(inner, (_NEW_BASE, _LEGACY_BASE)):
             inner = tf_keras.optimizers.deserialize(
