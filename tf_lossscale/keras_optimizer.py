@@ -107,6 +107,7 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
                  initial_scale=None, dynamic_growth_steps=None, dynamic=None,
                  **kwargs):
         optimizer_arguments.check_inner_optimizer(inner_optimizer)
+        optimizer_arguments.check_name(name)
         optimizer_arguments.check_base_optimizer_kwargs(kwargs)
         resolved = optimizer_arguments.resolve_loss_scale(
             loss_scale, dynamic, initial_scale, dynamic_growth_steps)

@@ -46,6 +46,7 @@ import functools
 import keras
 
 from tf_lossscale import optimizer_protocol
+from tf_lossscale import validation
 from tf_lossscale import xla_checks
 
 # Skips at most this many steps apart belong to one burst.
@@ -70,7 +71,8 @@ def _check_optimizer(optimizer):
     raise TypeError(
         "LossScaleMonitor needs a model compiled with a "
         "tf_lossscale.LossScaleOptimizer, but model.optimizer is "
-        f"{optimizer!r} of type {kind.__module__}.{kind.__qualname__}{hint}")
+        f"{validation.summary(optimizer)} of type "
+        f"{kind.__module__}.{kind.__qualname__}{hint}")
 
 
 def _steps(first, last):
@@ -156,8 +158,7 @@ class _Monitor:
     the MRO); see `LossScaleMonitor`."""
 
     def __init__(self, verbose=False):
-        if not isinstance(verbose, bool):
-            raise TypeError(f"verbose must be a bool, got {verbose!r}")
+        verbose = validation.boolean("verbose", verbose)
         super().__init__()
         self.verbose = verbose
         self._optimizer = None

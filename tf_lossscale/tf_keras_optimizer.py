@@ -90,6 +90,7 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
                  initial_scale=None, dynamic_growth_steps=None, dynamic=None,
                  **kwargs):
         _check_inner(inner_optimizer, self._INNER_BASE)
+        optimizer_arguments.check_name(name)
         optimizer_arguments.check_base_optimizer_kwargs(kwargs)
         resolved = optimizer_arguments.resolve_loss_scale(
             loss_scale, dynamic, initial_scale, dynamic_growth_steps)
