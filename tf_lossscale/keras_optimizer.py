@@ -58,6 +58,7 @@ from tf_lossscale import loss_scaled_step
 from tf_lossscale import optimizer_arguments
 from tf_lossscale import optimizer_protocol
 from tf_lossscale import optimizer_saving
+from tf_lossscale import step_arguments
 
 
 @keras.saving.register_keras_serializable(package="tf_lossscale")
@@ -181,7 +182,8 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
 
     def apply_gradients(self, grads_and_vars):
         self.check_unscaled()
-        grads, trainable_variables = zip(*grads_and_vars)
+        grads, trainable_variables = step_arguments.split_pairs(
+            grads_and_vars)
         self.apply(grads, trainable_variables)
         return self.iterations
 
@@ -189,21 +191,25 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
         """Applies `grads` unless the loss scale says this step overflowed.
 
         Must be called in a replica context (as `fit` and `strategy.run` do,
-        or with no strategy at all).
+        or with no strategy at all). `trainable_variables` defaults to those
+        the optimizer was built with. Gradients and variables are checked
+        first (`tf_lossscale.step_arguments`): a refused call changes
+        nothing, the optimizer's build included.
         """
         optimizer_protocol.check_replica_context()
         distribution.check_supported()
-        grads = list(grads)
         if trainable_variables is not None:
             trainable_variables = list(trainable_variables)
+        elif not self.built:
+            raise ValueError(
+                "The first apply needs trainable_variables, or call "
+                "optimizer.build(variables) first")
+        variables = (self._trainable_variables if trainable_variables is None
+                     else trainable_variables)
+        grads = step_arguments.check(grads, variables)
         if not self.built:
-            if trainable_variables is None:
-                raise ValueError(
-                    "The first apply needs trainable_variables, or call "
-                    "optimizer.build(variables) first")
             # build opens the optimizer's name scope itself.
             self.build(trainable_variables)
-        variables = trainable_variables or self._trainable_variables
         if not self._caller_unscales:
             # Read before the update below can change the scale.
             grads = loss_scaled_step.unscale_for_apply(

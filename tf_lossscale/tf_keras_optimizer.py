@@ -41,6 +41,7 @@ from tf_lossscale import legacy_configs
 from tf_lossscale import loss_scaled_step
 from tf_lossscale import optimizer_arguments
 from tf_lossscale import optimizer_protocol
+from tf_lossscale import step_arguments
 
 _NEW_BASE = tf_keras.optimizers.Optimizer
 _LEGACY_BASE = tf_keras.optimizers.legacy.Optimizer
@@ -195,9 +196,10 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
         self.check_unscaled()
         optimizer_protocol.check_replica_context()
         distribution.check_supported()
-        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
-        if not pairs:
-            raise ValueError("No gradients provided for any variable")
+        # Refused pairs raise here, before anything changes (at least one
+        # gradient is there after the check).
+        grads, variables = step_arguments.checked_pairs(grads_and_vars)
+        pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
         grads, variables = (list(part) for part in zip(*pairs))
         self._build(variables)
         if not self._caller_unscales:
