@@ -136,8 +136,11 @@ def _as_list(name, values, expected):
 
 
 def _check_variable(index, variable):
-    if not all(hasattr(variable, attribute)
-               for attribute in ("assign", "dtype", "shape")):
+    # Looked up on the class: a Keras variable computes `dtype` and `shape`
+    # each time they are read, which costs more than the whole check.
+    kind = type(variable)
+    if not (hasattr(kind, "assign") and hasattr(kind, "dtype")
+            and hasattr(kind, "shape")):
         raise TypeError(
             f"variable {index} must be a tf.Variable or keras.Variable, got "
             f"{validation.summary(variable)} of type "
@@ -148,7 +151,7 @@ def _checked_gradient(index, grad, variable=None):
     """`grad` as a tensor (or IndexedSlices, or None) after its checks."""
     if grad is None:
         return None
-    if not isinstance(grad, tf.IndexedSlices):
+    if not isinstance(grad, (tf.Tensor, tf.IndexedSlices)):
         try:
             grad = tf.convert_to_tensor(grad)
         except (TypeError, ValueError):
@@ -166,6 +169,7 @@ def _checked_gradient(index, grad, variable=None):
 
 
 def _check_shape(index, grad, variable):
+    # A TensorShape for TensorFlow and Keras 3 variables (a tuple otherwise).
     expected = tf.TensorShape(variable.shape)
     shape = grad.shape
     if isinstance(grad, tf.IndexedSlices):
