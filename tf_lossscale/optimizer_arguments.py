@@ -149,7 +149,7 @@ def resolve_loss_scale(loss_scale, dynamic, initial_scale,
     """
     if dynamic is None and initial_scale is None and (
             dynamic_growth_steps is None):
-        resolved = _get_loss_scale(loss_scale)
+        resolved = serialization.get_argument("loss_scale", loss_scale)
         if resolved is None:
             raise ValueError(
                 "loss_scale must not be None: a LossScaleOptimizer needs a "
@@ -184,18 +184,6 @@ def resolve_loss_scale(loss_scale, dynamic, initial_scale,
     return loss_scale_lib.DynamicLossScale(
         multiplier=2.0,
         **{name: value for name, value in given.items() if value is not None})
-
-
-def _get_loss_scale(loss_scale):
-    """`serialization.get(loss_scale)`, its errors saying which argument
-    was refused (a config's own messages name only its parts)."""
-    try:
-        return serialization.get(loss_scale)
-    except (TypeError, ValueError) as error:
-        kind = TypeError if isinstance(error, TypeError) else ValueError
-        raise kind(
-            f"loss_scale={validation.summary(loss_scale)} was refused: "
-            f"{error}") from error
 
 
 def check_inner_optimizer(inner_optimizer):

@@ -115,6 +115,19 @@ def _check_argument_names(cls, arguments):
             f"{', '.join(accepted)}")
 
 
+def get_argument(name, identifier):
+    """`get(identifier)` for the argument `name` of a caller (an optimizer's
+    `loss_scale`), whose errors say which argument was refused: a config's
+    own messages name only its parts."""
+    try:
+        return get(identifier)
+    except (TypeError, ValueError) as error:
+        kind = TypeError if isinstance(error, TypeError) else ValueError
+        raise kind(
+            f"{name}={validation.summary(identifier)} was refused: "
+            f"{error}") from error
+
+
 def get(identifier):
     """Returns a loss scale for `identifier`.
 

@@ -55,7 +55,7 @@ def _resolve_loss_scale(identifier):
             "tf_lossscale.LossScale")
     if _is_tensorflow_loss_scale(identifier):
         return identifier
-    return serialization.get(identifier)
+    return serialization.get_argument("loss_scale", identifier)
 
 
 def _state_variables(loss_scale):
@@ -81,6 +81,8 @@ class MixedPrecisionLossScaleOptimizer(tf.compat.v1.train.Optimizer):
       ValueError: `opt` is not a `tf.compat.v1.train.Optimizer` (as
         TensorFlow's wrapper raises) or already scales the loss, or
         `loss_scale` is None or not a loss scale identifier.
+      TypeError, ValueError: `loss_scale` is a config or value
+        `tf_lossscale.get` refuses (the message says `loss_scale` was).
 
     In a checkpoint, the wrapped optimizer is `base_optimizer` and the loss
     scale `loss_scale`, as with TensorFlow's wrapper; a `Saver` finds the
