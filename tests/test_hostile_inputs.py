@@ -404,7 +404,7 @@ def test_crafted_keras_file_is_refused_naming_the_field(
     edit, expected, names = _CRAFTED_FILES[label]
     path = _crafted(saved_model_file, tmp_path / f"{label}.keras", edit)
     with pytest.raises((TypeError, ValueError)) as raised:
-        keras.saving.load_model(path)
+        keras.saving.load_model(path, safe_mode=True)
     ours = _our_error(raised.value)
     _assert_refused(ours, expected, names)
 
@@ -435,7 +435,7 @@ def test_crafted_keras_file_naming_a_module_imports_and_runs_nothing(
 
     path = _crafted(saved_model_file, tmp_path / "canary.keras", edit)
     with pytest.raises((TypeError, ValueError)) as raised:
-        keras.saving.load_model(path)
+        keras.saving.load_model(path, safe_mode=True)
     assert "hostile_canary" not in sys.modules
     assert not marker.exists()
     if where == "loss_scale":
