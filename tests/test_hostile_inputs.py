@@ -764,8 +764,8 @@ def test_graphs_are_not_serialised_by_the_lock():
         loss_scale.update([tf.constant([1.0])])
 
     done = threading.Event()
-    lock = loss_scale._eager_lock._lock  # pylint: disable=protected-access
-    lock.acquire()  # As an eager update in another thread would.
+    lock = loss_scale._eager_lock  # pylint: disable=protected-access
+    lock.__enter__()  # As an eager update in another thread would.
     try:
         worker = threading.Thread(target=lambda: (step(), done.set()))
         worker.start()
@@ -773,7 +773,7 @@ def test_graphs_are_not_serialised_by_the_lock():
         assert done.wait(timeout=120)
         worker.join()
     finally:
-        lock.release()
+        lock.__exit__(None, None, None)
     assert int(loss_scale.good_steps) == 1
 
 
