@@ -209,7 +209,7 @@ def test_steps_after_the_monitors_fit_record_nothing():
 
 
 def test_gradient_stats_must_be_a_bool():
-    with pytest.raises(TypeError, match="gradient_stats must be a bool"):
+    with pytest.raises(TypeError, match="gradient_stats must be True or False"):
         tf_lossscale.LossScaleMonitor(gradient_stats=1)
 
 

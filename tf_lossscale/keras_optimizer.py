@@ -60,6 +60,7 @@ from tf_lossscale import loss_scaled_step
 from tf_lossscale import optimizer_arguments
 from tf_lossscale import optimizer_protocol
 from tf_lossscale import optimizer_saving
+from tf_lossscale import step_arguments
 from tf_lossscale import xla_checks
 
 
@@ -154,6 +155,7 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
                  initial_scale=None, dynamic_growth_steps=None, dynamic=None,
                  **kwargs):
         optimizer_arguments.check_inner_optimizer(inner_optimizer)
+        optimizer_arguments.check_name(name)
         optimizer_arguments.check_base_optimizer_kwargs(kwargs)
         resolved = optimizer_arguments.resolve_loss_scale(
             loss_scale, dynamic, initial_scale, dynamic_growth_steps)
@@ -227,7 +229,8 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
 
     def apply_gradients(self, grads_and_vars):
         self.check_unscaled()
-        grads, trainable_variables = zip(*grads_and_vars)
+        grads, trainable_variables = step_arguments.split_pairs(
+            grads_and_vars)
         self.apply(grads, trainable_variables)
         return self.iterations
 
@@ -235,23 +238,27 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
         """Applies `grads` unless the loss scale says this step overflowed.
 
         Must be called in a replica context (as `fit` and `strategy.run` do,
-        or with no strategy at all).
+        or with no strategy at all). `trainable_variables` defaults to those
+        the optimizer was built with. Gradients and variables are checked
+        first (`tf_lossscale.step_arguments`): a refused call changes
+        nothing, the optimizer's build included.
         """
         optimizer_protocol.check_replica_context()
         distribution.check_supported()
-        grads = list(grads)
         if trainable_variables is not None:
             trainable_variables = list(trainable_variables)
+        elif not self.built:
+            raise ValueError(
+                "The first apply needs trainable_variables, or call "
+                "optimizer.build(variables) first")
+        variables = (self._trainable_variables if trainable_variables is None
+                     else trainable_variables)
+        grads = step_arguments.check(grads, variables)
+        loss_scaled_step.check_traceable(self._loss_scale)
         if not self.built:
-            if trainable_variables is None:
-                raise ValueError(
-                    "The first apply needs trainable_variables, or call "
-                    "optimizer.build(variables) first")
             # build opens the optimizer's name scope itself.
             with loss_scaled_step.building_outside_traces():
                 self.build(trainable_variables)
-        loss_scaled_step.check_traceable(self._loss_scale)
-        variables = trainable_variables or self._trainable_variables
         if not self._caller_unscales:
             # Read before the update below can change the scale.
             grads = loss_scaled_step.unscale_for_apply(
@@ -306,7 +313,8 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
             from tf_lossscale import tf_keras_optimizer  # pylint: disable=g-import-not-at-top
             return tf_keras_optimizer.LossScaleOptimizer.from_config(
                 config, custom_objects)
-        inner_config, kwargs = legacy_configs.to_constructor_arguments(config)
+        inner_config, kwargs = legacy_configs.to_constructor_arguments(
+            config, custom_objects)
         inner = keras.optimizers.deserialize(inner_config,
                                              custom_objects=custom_objects)
         return cls(inner, **kwargs)

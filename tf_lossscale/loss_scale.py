@@ -102,6 +102,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_lossscale import distribution
+from tf_lossscale import eager_lock
 from tf_lossscale import failure_policy
 from tf_lossscale import scale_reading
 from tf_lossscale import validation
@@ -467,6 +468,17 @@ class DynamicLossScale(LossScale):
       (`loss_scale()`, `optimizer.dynamic_scale`), at the end of `fit`
       (`finalize_variable_values`) or by a watcher, whichever comes first.
 
+    Threads: eagerly, each update (`update`, or an optimizer's step updating
+    the scale) reads and writes the whole state under a lock, so updates from
+    several threads at once are not lost: N threads doing M updates each
+    leave the state of N*M updates in a row (in an order no one chooses). It
+    costs nothing measurable (`benchmarks/hostile_input_costs.py`).
+    TensorFlow's own `DynamicLossScale` loses such updates. Inside a
+    `tf.function`, under XLA and in TF1 graphs nothing is locked: run one
+    step at a time on a loss scale there, as with any TensorFlow variables.
+    The optimizers' steps are not made thread-safe by this: one optimizer
+    serves one training loop.
+
     Raises:
       TypeError: an argument is a bool where a number is expected, or of the
         wrong type.
@@ -503,6 +515,7 @@ class DynamicLossScale(LossScale):
             "max_consecutive_skips", max_consecutive_skips)
         distribution.check_supported()
         super().__init__()
+        self._eager_lock = eager_lock.EagerLock()
         self._strategy = distribution.strategy_in_use()
         self._initial_loss_scale = initial
         self._rule = DynamicRule(
@@ -596,12 +609,14 @@ class DynamicLossScale(LossScale):
         return distribution.call_in_cross_replica_context(
             _update_from_grads, self, grads)
 
+    @eager_lock.one_thread_at_a_time
     def _update_from_all_finite(self, all_finite, *, gated=True):
         """One step from the flag every replica agrees on.
 
         Called in cross-replica context (or without a strategy). Checks the
         state, moves it on, then applies the failure policy. Returns
-        `(update_op, should_apply)` as `update` does.
+        `(update_op, should_apply)` as `update` does. Eagerly, one thread at
+        a time (see the class docstring).
 
         Args:
           all_finite: scalar bool tensor, the all-replica finiteness flag.

@@ -31,6 +31,7 @@ import tensorflow as tf
 
 from tf_lossscale import distribution
 from tf_lossscale import gradient_checks
+from tf_lossscale import step_arguments
 from tf_lossscale import unscaling
 from tf_lossscale import xla_record
 
@@ -42,10 +43,11 @@ def takes_gradient_as_value(variable):
 
 def scale_loss(loss, loss_scale):
     """`loss * loss_scale()` in the loss's dtype; for a callable `loss`, a
-    callable that returns it."""
+    callable that returns it. A loss that is not floating-point raises
+    TypeError (`step_arguments.checked_loss`)."""
     if callable(loss):
         return lambda: scale_loss(loss(), loss_scale)
-    loss = tf.convert_to_tensor(loss)
+    loss = step_arguments.checked_loss(loss)
     return loss * tf.cast(loss_scale(), loss.dtype)
 
 

@@ -73,6 +73,7 @@ import keras
 from tf_lossscale import float16_layers
 from tf_lossscale import optimizer_protocol
 from tf_lossscale import step_gradient_stats
+from tf_lossscale import validation
 from tf_lossscale import xla_checks
 
 # Skips at most this many steps apart belong to one burst.
@@ -97,7 +98,8 @@ def _check_optimizer(optimizer):
     raise TypeError(
         "LossScaleMonitor needs a model compiled with a "
         "tf_lossscale.LossScaleOptimizer, but model.optimizer is "
-        f"{optimizer!r} of type {kind.__module__}.{kind.__qualname__}{hint}")
+        f"{validation.summary(optimizer)} of type "
+        f"{kind.__module__}.{kind.__qualname__}{hint}")
 
 
 def _steps(first, last):
@@ -268,11 +270,8 @@ class _Monitor:
     the MRO); see `LossScaleMonitor`."""
 
     def __init__(self, verbose=False, gradient_stats=False):
-        if not isinstance(verbose, bool):
-            raise TypeError(f"verbose must be a bool, got {verbose!r}")
-        if not isinstance(gradient_stats, bool):
-            raise TypeError(
-                f"gradient_stats must be a bool, got {gradient_stats!r}")
+        verbose = validation.boolean("verbose", verbose)
+        gradient_stats = validation.boolean("gradient_stats", gradient_stats)
         super().__init__()
         self.verbose = verbose
         self.gradient_stats = gradient_stats

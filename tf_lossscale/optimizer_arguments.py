@@ -59,14 +59,37 @@ _OWNERS = weakref.WeakKeyDictionary()
 
 
 def check_base_optimizer_kwargs(kwargs):
+    """Raises unless every one of `kwargs` is a base-optimizer argument at
+    its default (what Keras writes into saved wrapper configs)."""
     for key, value in kwargs.items():
         if key not in _BASE_OPTIMIZER_DEFAULTS:
+            # Keys are argument names; a crafted config's may be huge.
+            shown = key if len(key) <= 60 else validation.summary(key)
             raise TypeError(
-                f"LossScaleOptimizer got an unexpected argument {key}={value!r}")
-        if value != _BASE_OPTIMIZER_DEFAULTS[key]:
+                "LossScaleOptimizer got an unexpected argument "
+                f"{shown}={validation.summary(value)}")
+        if not _is_default(value, _BASE_OPTIMIZER_DEFAULTS[key]):
             raise ValueError(
-                f"LossScaleOptimizer does not take {key}={value!r}; set "
-                f"{key} on the inner optimizer instead")
+                f"LossScaleOptimizer does not take "
+                f"{key}={validation.summary(value)}; set {key} on the inner "
+                "optimizer instead")
+
+
+def _is_default(value, default):
+    """Whether `value` is `default`, without `==` on arbitrary objects (an
+    array's is ambiguous, a hostile one's may raise)."""
+    if default is None or isinstance(default, bool):
+        return value is default
+    return (isinstance(value, float) and not isinstance(value, bool)
+            and value == default)
+
+
+def check_name(name):
+    """Raises TypeError unless `name` is None or a string."""
+    if not (name is None or isinstance(name, str)):
+        raise TypeError(
+            f"name must be a string or None, got {validation.summary(name)} "
+            f"of type {type(name).__name__}")
 
 
 def _check_forwarded_hyperparameter(inner, name, value):
@@ -77,7 +100,9 @@ def _check_forwarded_hyperparameter(inner, name, value):
         validation.positive_int(name, value)
     elif name == "ema_momentum":
         if validation.finite_float32(name, value, at_least=0) > 1:
-            raise ValueError(f"ema_momentum must be in [0, 1], got {value!r}")
+            raise ValueError(
+                f"ema_momentum must be in [0, 1], got "
+                f"{validation.summary(value)}")
     elif name == "weight_decay":
         validation.finite_float32(name, value, at_least=0)
     else:
@@ -87,9 +112,9 @@ def _check_forwarded_hyperparameter(inner, name, value):
                   if other != name and getattr(inner, other) is not None}
         if others:
             raise ValueError(
-                f"Cannot set {name}={value!r}: the inner optimizer already "
-                f"clips with {others}; only one of clipnorm, clipvalue and "
-                "global_clipnorm can be set")
+                f"Cannot set {name}={validation.summary(value)}: the inner "
+                f"optimizer already clips with {others}; only one of "
+                "clipnorm, clipvalue and global_clipnorm can be set")
 
 
 def _forwarded_property(name):
@@ -124,26 +149,29 @@ def resolve_loss_scale(loss_scale, dynamic, initial_scale,
     """
     if dynamic is None and initial_scale is None and (
             dynamic_growth_steps is None):
-        resolved = serialization.get(loss_scale)
+        resolved = serialization.get_argument("loss_scale", loss_scale)
         if resolved is None:
             raise ValueError(
                 "loss_scale must not be None: a LossScaleOptimizer needs a "
                 "loss scale (a number, 'dynamic', a LossScale or a dict)")
         return resolved
+    summary = validation.summary
     if not (isinstance(loss_scale, str) and loss_scale == "dynamic"):
         raise ValueError(
-            f"loss_scale={loss_scale!r} conflicts with dynamic={dynamic!r}, "
-            f"initial_scale={initial_scale!r}, dynamic_growth_steps="
-            f"{dynamic_growth_steps!r}: give either loss_scale or the "
+            f"loss_scale={summary(loss_scale)} conflicts with "
+            f"dynamic={summary(dynamic)}, initial_scale="
+            f"{summary(initial_scale)}, dynamic_growth_steps="
+            f"{summary(dynamic_growth_steps)}: give either loss_scale or the "
             "Keras-style arguments, not both")
     if dynamic is not None and not isinstance(dynamic, bool):
-        raise TypeError(f"dynamic must be a bool, got {dynamic!r}")
+        raise TypeError(f"dynamic must be a bool, got {summary(dynamic)}")
     if dynamic is False:
         if initial_scale is None or dynamic_growth_steps is not None:
             raise ValueError(
                 "dynamic=False needs initial_scale (the fixed scale) and no "
-                f"dynamic_growth_steps, got initial_scale={initial_scale!r}, "
-                f"dynamic_growth_steps={dynamic_growth_steps!r}")
+                "dynamic_growth_steps, got initial_scale="
+                f"{summary(initial_scale)}, dynamic_growth_steps="
+                f"{summary(dynamic_growth_steps)}")
         validation.finite_float32("initial_scale", initial_scale, at_least=1)
         return loss_scale_lib.FixedLossScale(initial_scale)
     if initial_scale is not None:
@@ -159,20 +187,24 @@ def resolve_loss_scale(loss_scale, dynamic, initial_scale,
 
 
 def check_inner_optimizer(inner_optimizer):
+    """Raises unless `inner_optimizer` is a Keras 3 optimizer this wrapper
+    may own (see the module docstring)."""
     if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
         raise ValueError(
-            f"inner_optimizer {inner_optimizer!r} is already a "
-            "LossScaleOptimizer; wrapping it again would scale the loss twice")
+            f"inner_optimizer {validation.summary(inner_optimizer)} is "
+            "already a LossScaleOptimizer; wrapping it again would scale the "
+            "loss twice")
     if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
         raise TypeError(
             "inner_optimizer must be a keras.optimizers.Optimizer instance, "
-            f"got {inner_optimizer!r} of type {type(inner_optimizer).__name__}")
+            f"got {validation.summary(inner_optimizer)} of type "
+            f"{type(inner_optimizer).__name__}")
     check_unowned(inner_optimizer)
     if inner_optimizer.loss_scale_factor is not None:
         raise ValueError(
             f"inner_optimizer has loss_scale_factor="
-            f"{inner_optimizer.loss_scale_factor!r}; the LossScaleOptimizer "
-            "scales the loss itself, so leave it unset")
+            f"{validation.summary(inner_optimizer.loss_scale_factor)}; the "
+            "LossScaleOptimizer scales the loss itself, so leave it unset")
 
 
 def check_unowned(inner_optimizer):
@@ -180,7 +212,8 @@ def check_unowned(inner_optimizer):
     owner = _OWNERS.get(inner_optimizer)
     if owner is not None and owner() is not None:
         raise ValueError(
-            f"inner_optimizer {inner_optimizer.name!r} is already wrapped by "
+            f"inner_optimizer {validation.summary(inner_optimizer.name)} is "
+            "already wrapped by "
             "another LossScaleOptimizer; give each wrapper its own optimizer")
 
 
@@ -226,7 +259,8 @@ class InnerHyperparameters:
             reason = (" (the wrapper scales the loss itself)"
                       if name == "loss_scale_factor" else "")
             raise ValueError(
-                f"Cannot set {name}={value!r} on a LossScaleOptimizer{reason}: "
+                f"Cannot set {name}={validation.summary(value)} on a "
+                f"LossScaleOptimizer{reason}: "
                 "set it on the inner optimizer before wrapping it, e.g. "
                 f"LossScaleOptimizer(keras.optimizers.Adam({name}=...))")
         super().__setattr__(name, value)

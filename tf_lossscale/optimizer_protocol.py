@@ -32,6 +32,7 @@ from tf_lossscale import gradient_checks
 from tf_lossscale import loss_scale as loss_scale_lib
 from tf_lossscale import loss_scaled_step
 from tf_lossscale import serialization
+from tf_lossscale import step_arguments
 from tf_lossscale import unscaling
 
 
@@ -161,6 +162,7 @@ class ScaledLossProtocol:
 
         `None` entries stay None; `tf.IndexedSlices` stay IndexedSlices.
         """
+        step_arguments.check_structure(grads)
         self._caller_unscales = True
         self._awaiting_unscale = False
         return unscaling.unscale_structure(grads, self._loss_scale())

@@ -6,11 +6,14 @@ load unchanged. The keys `module` and `registered_name` that Keras 3 adds to
 serialized objects are accepted and ignored.
 """
 
+import collections.abc
+import inspect
 import numbers
 
 import numpy as np
 
 from tf_lossscale import loss_scale as loss_scale_lib
+from tf_lossscale import validation
 
 _BUILT_IN = {
     cls.__name__: cls
@@ -24,7 +27,8 @@ def serialize(loss_scale):
     """Returns a JSON-able dict `{"class_name": ..., "config": {...}}`."""
     if not isinstance(loss_scale, loss_scale_lib.LossScale):
         raise TypeError(
-            f"loss_scale must be a tf_lossscale.LossScale, got {loss_scale!r}")
+            "loss_scale must be a tf_lossscale.LossScale, got "
+            f"{validation.summary(loss_scale)}")
     return {
         "class_name": type(loss_scale).__name__,
         "config": loss_scale.get_config(),
@@ -40,36 +44,88 @@ def deserialize(config, custom_objects=None):
         subclasses of your own.
 
     Raises:
-      TypeError: `config` is not such a dict.
+      TypeError: `config`, its `class_name` or its `config` is not of the
+        type above, `custom_objects` is not a dict of LossScale subclasses,
+        or the config holds an argument the class does not take.
       ValueError: the class name is unknown, or keys are missing or extra.
+
+    Messages name the part of the config at fault and summarise the values
+    (`tf_lossscale.validation.summary`); the config's own values are checked
+    by the class's constructor, with its argument names.
     """
     if not isinstance(config, dict):
         raise TypeError(
             "config must be a dict like {'class_name': 'DynamicLossScale', "
-            f"'config': {{...}}}}, got {config!r}")
+            f"'config': {{...}}}}, got {validation.summary(config)}")
     keys = set(config) - _IGNORED_KEYS
     if keys != {"class_name", "config"}:
         raise ValueError(
             "config must have exactly the keys 'class_name' and 'config', "
-            f"got {config!r}")
+            f"got the keys {validation.summary(list(config))}")
     class_name = config["class_name"]
-    classes = {**_BUILT_IN, **(custom_objects or {})}
+    if not isinstance(class_name, str):
+        raise TypeError(
+            "config['class_name'] must be a string naming a LossScale class, "
+            f"got {validation.summary(class_name)}")
+    classes = {**_BUILT_IN, **_checked_custom_objects(custom_objects)}
     if class_name not in classes:
         raise ValueError(
-            f"Unknown loss scale class_name {class_name!r} in {config!r}; "
-            f"expected one of {sorted(classes)} (pass your own classes in "
-            "custom_objects)")
+            f"Unknown loss scale class_name {validation.summary(class_name)}; "
+            f"expected one of {validation.summary(sorted(classes))} (pass "
+            "your own classes in custom_objects)")
     cls = classes[class_name]
     if not (isinstance(cls, type)
             and issubclass(cls, loss_scale_lib.LossScale)):
         raise TypeError(
-            f"custom_objects[{class_name!r}] must be a LossScale subclass, "
-            f"got {cls!r}")
-    if not isinstance(config["config"], dict):
+            f"custom_objects[{validation.summary(class_name)}] must be a "
+            f"LossScale subclass, got {validation.summary(cls)}")
+    arguments = config["config"]
+    if not isinstance(arguments, dict):
         raise TypeError(
-            f"config['config'] must be a dict of constructor arguments, got "
-            f"{config['config']!r}")
-    return cls.from_config(config["config"])
+            "config['config'] must be a dict of constructor arguments, got "
+            f"{validation.summary(arguments)}")
+    if cls in _BUILT_IN.values():
+        _check_argument_names(cls, arguments)
+    return cls.from_config(arguments)
+
+
+def _checked_custom_objects(custom_objects):
+    """`custom_objects` as a dict with string keys ({} for None)."""
+    if custom_objects is None:
+        return {}
+    if not isinstance(custom_objects, collections.abc.Mapping):
+        raise TypeError(
+            "custom_objects must be a dict mapping class names to LossScale "
+            f"subclasses, got {validation.summary(custom_objects)}")
+    return {key: value for key, value in custom_objects.items()
+            if isinstance(key, str)}
+
+
+def _check_argument_names(cls, arguments):
+    """Raises TypeError naming the keys of `arguments` that `cls`'s
+    constructor does not take (Python's own message would repeat a key
+    whole, however long, and says nothing for a key that is not a string)."""
+    accepted = [name for name in inspect.signature(cls).parameters
+                if name != "self"]
+    unknown = [key for key in arguments if key not in accepted]
+    if unknown:
+        raise TypeError(
+            f"config['config'] holds argument(s) {cls.__name__} does not "
+            f"take: {validation.summary(unknown)}; it takes "
+            f"{', '.join(accepted)}")
+
+
+def get_argument(name, identifier):
+    """`get(identifier)` for the argument `name` of a caller (an optimizer's
+    `loss_scale`), whose errors say which argument was refused: a config's
+    own messages name only its parts."""
+    try:
+        return get(identifier)
+    except (TypeError, ValueError) as error:
+        kind = TypeError if isinstance(error, TypeError) else ValueError
+        raise kind(
+            f"{name}={validation.summary(identifier)} was refused: "
+            f"{error}") from error
 
 
 def get(identifier):
@@ -83,14 +139,16 @@ def get(identifier):
 
     Raises:
       ValueError: anything else (a bool, another string, a list, ...).
+      TypeError, ValueError: as `deserialize`, for a malformed dict.
     """
     if identifier is None or isinstance(identifier, loss_scale_lib.LossScale):
         return identifier
     if isinstance(identifier, (bool, np.bool_)):
         raise ValueError(
-            f"Could not interpret loss scale identifier {identifier!r}: a "
-            "bool is not a loss scale; use a number, 'dynamic', a LossScale "
-            "or a serialized loss scale dict")
+            "Could not interpret loss scale identifier "
+            f"{validation.summary(identifier)}: a bool is not a loss scale; "
+            "use a number, 'dynamic', a LossScale or a serialized loss scale "
+            "dict")
     if isinstance(identifier, numbers.Real):
         return loss_scale_lib.FixedLossScale(identifier)
     if isinstance(identifier, str) and identifier == "dynamic":
@@ -98,6 +156,6 @@ def get(identifier):
     if isinstance(identifier, dict):
         return deserialize(identifier)
     raise ValueError(
-        f"Could not interpret loss scale identifier {identifier!r}: expected "
-        "a number, 'dynamic', a LossScale, a serialized loss scale dict or "
-        "None")
+        "Could not interpret loss scale identifier "
+        f"{validation.summary(identifier)}: expected a number, 'dynamic', a "
+        "LossScale, a serialized loss scale dict or None")

@@ -38,6 +38,7 @@ import tensorflow as tf
 from tf_lossscale import distribution
 from tf_lossscale import loss_scaled_step
 from tf_lossscale import serialization
+from tf_lossscale import step_arguments
 from tf_lossscale import unscaling
 
 _GATE_OP = tf.compat.v1.train.Optimizer.GATE_OP
@@ -54,7 +55,7 @@ def _resolve_loss_scale(identifier):
             "tf_lossscale.LossScale")
     if _is_tensorflow_loss_scale(identifier):
         return identifier
-    return serialization.get(identifier)
+    return serialization.get_argument("loss_scale", identifier)
 
 
 def _state_variables(loss_scale):
@@ -80,6 +81,8 @@ class MixedPrecisionLossScaleOptimizer(tf.compat.v1.train.Optimizer):
       ValueError: `opt` is not a `tf.compat.v1.train.Optimizer` (as
         TensorFlow's wrapper raises) or already scales the loss, or
         `loss_scale` is None or not a loss scale identifier.
+      TypeError, ValueError: `loss_scale` is a config or value
+        `tf_lossscale.get` refuses (the message says `loss_scale` was).
 
     In a checkpoint, the wrapped optimizer is `base_optimizer` and the loss
     scale `loss_scale`, as with TensorFlow's wrapper; a `Saver` finds the
@@ -154,6 +157,10 @@ class MixedPrecisionLossScaleOptimizer(tf.compat.v1.train.Optimizer):
           ValueError: called in cross-replica context (under a strategy's
             scope, outside its `run`), or under a strategy loss scaling cannot
             support.
+          TypeError, ValueError: `grads_and_vars` refused by
+            `tf_lossscale.step_arguments` (not pairs, none at all, a
+            gradient that is not floating-point or does not fit its
+            variable, every gradient None), before anything changes.
         """
         if distribution.strategy_in_use() is not None and (
                 tf.distribute.in_cross_replica_context()):
@@ -162,9 +169,7 @@ class MixedPrecisionLossScaleOptimizer(tf.compat.v1.train.Optimizer):
                 "strategy.run (or the strategy's call_for_each_replica), not "
                 "directly under strategy.scope()")
         distribution.check_supported()
-        grads_and_vars = tuple(grads_and_vars)
-        grads = [grad for grad, _ in grads_and_vars]
-        variables = [variable for _, variable in grads_and_vars]
+        grads, variables = step_arguments.checked_pairs(grads_and_vars)
 
         name = name or self.get_name()
         # TensorFlow's wrapper's name for the inner op; it frees `name`. One

@@ -49,6 +49,7 @@ from tf_lossscale import legacy_configs
 from tf_lossscale import loss_scaled_step
 from tf_lossscale import optimizer_arguments
 from tf_lossscale import optimizer_protocol
+from tf_lossscale import step_arguments
 from tf_lossscale import tf_keras_arguments
 from tf_lossscale import xla_checks
 
@@ -120,6 +121,7 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
                  **kwargs):
         tf_keras_arguments.check_inner(inner_optimizer, self._INNER_BASE,
                                        tf_keras_lso.BaseLossScaleOptimizer)
+        optimizer_arguments.check_name(name)
         optimizer_arguments.check_base_optimizer_kwargs(kwargs)
         tf_keras_arguments.check_keras_style_arguments(
             dynamic, initial_scale, dynamic_growth_steps)
@@ -241,9 +243,10 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
         loss_scaled_step.check_traceable(self._loss_scale)
         tf_keras_arguments.warn_if_not_scaled(
             self._loss_scaled, self._caller_unscales)
-        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
-        if not pairs:
-            raise ValueError("No gradients provided for any variable")
+        # Refused pairs raise here, before anything changes (at least one
+        # gradient is there after the check).
+        grads, variables = step_arguments.checked_pairs(grads_and_vars)
+        pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
         pairs = self._aggregate(pairs, **kwargs)
         grads, variables = (list(part) for part in zip(*pairs))
         self._build(variables)
@@ -274,7 +277,8 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         """Creates the wrapper from its config or tf-keras' wrapper's."""
-        inner_config, kwargs = legacy_configs.split_inner_optimizer(config)
+        inner_config, kwargs = legacy_configs.split_inner_optimizer(
+            config, custom_objects, optimizer_types=(_NEW_BASE, _LEGACY_BASE))
         inner = inner_config
         if not isinstance(inner, (_NEW_BASE, _LEGACY_BASE)):
             inner = tf_keras.optimizers.deserialize(
