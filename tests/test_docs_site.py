@@ -83,5 +83,5 @@ def test_nav_lists_every_page_and_only_pages_that_exist():
 def test_demo_plot_is_where_the_demo_writes_it_and_the_site_shows_it():
     plot = "docs/loss_scale.png"
     assert (_ROOT / plot).is_file()
-    assert plot in (_ROOT / "tf_lossscale" / "demo.py").read_text()
+    assert plot in (_ROOT / "tf_lossscale" / "demo" / "__init__.py").read_text()
     assert "](../loss_scale.png)" in (_DOCS / "guides" / "monitoring.md").read_text()

@@ -193,7 +193,7 @@ def test_the_tf_keras_worker_ran_exactly_these_cases(tf_keras_results):
                          ids=[key for key, _ in _TF_KERAS_CASES])
 def test_tf_keras_optimizer_and_monitor_refuse(tf_keras_results, key, case):
     result = tf_keras_results[key]
-    assert result["error"] == case.error.__name__, result
+    assert case.error.__name__ in (result["error"] or []), result
     assert result["length"] < MESSAGE_BOUND, result
     assert re.search(rf"\b{case.argument}\b", result["message"]), result
     assert not result["created"], result

@@ -524,3 +524,12 @@ def test_sparse_embedding_gradients_are_unscaled_and_checked(protocol):
     _assert_all_equal(model.weights, weights)
     assert int(optimizer.skipped_steps) == 1
     assert int(optimizer.iterations) == 1
+
+
+def test_wrapping_a_wrapper_is_both_a_type_and_a_value_error():
+    # tf-keras' wrapper raises TypeError, TensorFlow's TF1 wrapper and
+    # earlier releases ValueError: code written against either catches it.
+    wrapper = tf_lossscale.LossScaleOptimizer(keras.optimizers.SGD())
+    for caught in (TypeError, ValueError):
+        with pytest.raises(caught, match="already a LossScaleOptimizer"):
+            tf_lossscale.LossScaleOptimizer(wrapper)

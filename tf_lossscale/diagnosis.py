@@ -46,6 +46,7 @@ import tensorflow as tf
 from tf_lossscale import diagnosis_models
 from tf_lossscale import diagnosis_passes
 from tf_lossscale import diagnosis_report
+from tf_lossscale import validation
 
 DEFAULT_SCALES = tuple(2.0 ** k for k in range(33))
 
@@ -101,30 +102,30 @@ def diagnose(model, data, steps=8, *, loss=None, scales=DEFAULT_SCALES,
 
 
 def _checked_steps_and_scales(steps, scales):
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+    if not isinstance(steps, int) or isinstance(steps, bool):
+        raise TypeError(f"steps must be an int >= 1, got "
+                        f"{validation.summary(steps)}")
+    if steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     try:
         scales = [float(scale) for scale in scales]
     except (TypeError, ValueError) as err:
         raise ValueError(
-            f"scales must be numbers, got {_summary(scales)}") from err
+            f"scales must be numbers, got {validation.summary(scales)}") from err
     if not scales or not all(0 < s < float("inf") for s in scales) or any(
             b <= a for a, b in zip(scales, scales[1:])):
         raise ValueError("scales must be finite numbers > 0 in increasing "
-                         f"order, got {_summary(scales)}")
+                         f"order, got {validation.summary(scales)}")
     return steps, scales
 
 
 def _checked_share(name, value):
-    if isinstance(value, bool) or not isinstance(
-            value, (int, float)) or not 0 <= value <= 1:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number in [0, 1], got "
+                        f"{validation.summary(value)}")
+    if not 0 <= value <= 1:
         raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
     return float(value)
-
-
-def _summary(values):
-    text = repr(values)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _loss_function(model, loss):
@@ -137,7 +138,7 @@ def _loss_function(model, loss):
             "loss= (a name, a function of (y_true, y_pred) or a Loss)")
     if isinstance(identifier, (dict, list, tuple)):
         raise TypeError(
-            f"diagnose takes one loss, got {_summary(identifier)}")
+            f"diagnose takes one loss, got {validation.summary(identifier)}")
     losses = diagnosis_models.keras_module(model).losses
     function = losses.get(identifier)
     # A Loss object reduces its values itself; `call` gives them per
@@ -153,7 +154,7 @@ def _batches(data, steps):
         if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
             raise TypeError(
                 f"batch {index} of data must be (x, y) or (x, y, "
-                f"sample_weight), got {_summary(batch)}")
+                f"sample_weight), got {validation.summary(batch)}")
         batches.append(tuple(batch) + (None,) * (3 - len(batch)))
     if not batches:
         raise ValueError("data holds no batch")

@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from tf_lossscale import float16_layers
 from tf_lossscale import optimizer_protocol
+from tf_lossscale import validation
 
 _FLOAT16_POLICIES = ("mixed_float16", "float16")
 
@@ -51,7 +52,8 @@ def _is_sequential(model):
 def check_model(model):
     """Raises TypeError unless `model` is a model `diagnose` can run."""
     if not hasattr(model, "layers") or not callable(model):
-        raise TypeError(f"model must be a Keras model, got {model!r}")
+        raise TypeError(
+            f"model must be a Keras model, got {validation.summary(model)}")
     if _is_sequential(model):
         if not model.built:
             raise TypeError(

@@ -190,7 +190,7 @@ def check_inner_optimizer(inner_optimizer):
     """Raises unless `inner_optimizer` is a Keras 3 optimizer this wrapper
     may own (see the module docstring)."""
     if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
-        raise ValueError(
+        raise validation.DoubleScalingError(
             f"inner_optimizer {validation.summary(inner_optimizer)} is "
             "already a LossScaleOptimizer; wrapping it again would scale the "
             "loss twice")

@@ -40,6 +40,7 @@ from tf_lossscale import loss_scaled_step
 from tf_lossscale import serialization
 from tf_lossscale import step_arguments
 from tf_lossscale import unscaling
+from tf_lossscale import validation
 
 _GATE_OP = tf.compat.v1.train.Optimizer.GATE_OP
 
@@ -98,7 +99,7 @@ class MixedPrecisionLossScaleOptimizer(tf.compat.v1.train.Optimizer):
         if isinstance(opt, (MixedPrecisionLossScaleOptimizer,
                             tf.compat.v1.mixed_precision.
                             MixedPrecisionLossScaleOptimizer)):
-            raise ValueError(
+            raise validation.DoubleScalingError(
                 "opt already applies loss scaling; wrap the optimizer inside "
                 "it instead, or the loss would be scaled twice")
         super().__init__(opt._use_locking, opt.get_name())  # pylint: disable=protected-access

@@ -19,6 +19,7 @@ what tf-keras does not check.
 import tensorflow as tf
 
 from tf_lossscale import distribution
+from tf_lossscale import validation
 
 
 def check_inner(inner_optimizer, optimizer_bases, loss_scale_optimizer_base):
@@ -31,20 +32,25 @@ def check_inner(inner_optimizer, optimizer_bases, loss_scale_optimizer_base):
         which tf_lossscale's tf-keras wrappers subclass.
 
     Raises:
-      TypeError: not a tf-keras optimizer, or a loss-scale wrapper.
+      TypeError: not a tf-keras optimizer; `validation.DoubleScalingError`
+        (a TypeError, as tf-keras raises, and a ValueError): a loss-scale
+        wrapper.
       ValueError: already wrapped by a loss-scale wrapper.
     """
     if isinstance(inner_optimizer, loss_scale_optimizer_base):
-        raise TypeError(
+        raise validation.DoubleScalingError(
             "LossScaleOptimizer cannot wrap another LossScaleOptimizer, but "
-            f"got: {inner_optimizer!r}; wrapping it again would scale the "
+            f"got: inner_optimizer={validation.summary(inner_optimizer)}; "
+            "wrapping it again "
+            "would scale the "
             "loss twice")
     if not isinstance(inner_optimizer, optimizer_bases):
         raise TypeError(
             '"inner_optimizer" must be an instance of '
             "`tf.keras.optimizers.Optimizer` or "
             "`tf.keras.optimizers.experimental.Optimizer`, but got: "
-            f"{inner_optimizer!r} of type {type(inner_optimizer).__name__}")
+            f"{validation.summary(inner_optimizer)} of type "
+            f"{type(inner_optimizer).__name__}")
     # tf-keras' wrapper and ours both mark the optimizer they wrap.
     if getattr(inner_optimizer, "_is_wrapped_by_loss_scale_optimizer", False):
         raise ValueError(
@@ -67,7 +73,8 @@ def check_keras_style_arguments(dynamic, initial_scale, dynamic_growth_steps):
         # tf-keras' second positional argument was once the loss scale.
         raise TypeError(
             '"dynamic" argument to LossScaleOptimizer.__init__ must be a '
-            f"bool, but got: {dynamic!r} (a loss scale goes in loss_scale=)")
+            f"bool, but got: {validation.summary(dynamic)} (a loss scale goes "
+            "in loss_scale=)")
     if dynamic is False and initial_scale is None:
         raise ValueError(
             '"initial_scale" must be specified if "dynamic" is False: it is '
@@ -75,7 +82,7 @@ def check_keras_style_arguments(dynamic, initial_scale, dynamic_growth_steps):
     if dynamic is False and dynamic_growth_steps is not None:
         raise ValueError(
             '"dynamic_growth_steps" must be None if "dynamic" is False, but '
-            f"got: {dynamic_growth_steps!r}")
+            f"got: {validation.summary(dynamic_growth_steps)}")
 
 
 def check_strategy():

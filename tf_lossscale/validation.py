@@ -19,6 +19,17 @@ import reprlib
 
 import numpy as np
 
+class DoubleScalingError(TypeError, ValueError):
+    """An optimizer that already scales the loss was given to a wrapper:
+    wrapping it would scale the loss twice.
+
+    Every wrapper raises it (Keras 3, tf-keras and TF1). It is a TypeError,
+    as tf-keras' own wrapper raises, and a ValueError, as TensorFlow's TF1
+    wrapper and tf_lossscale before 0.4 raised, so code written against
+    either keeps catching it.
+    """
+
+
 # A loss scale lives in a float32 variable: a Python float above this limit
 # would silently become inf there.
 FLOAT32_MAX = float(np.finfo(np.float32).max)

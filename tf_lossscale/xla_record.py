@@ -116,6 +116,13 @@ class StepRecord:
         self._watches = []
         self._lock = threading.Lock()
 
+    def __deepcopy__(self, memo):
+        # A copy of a loss scale has state of its own: its record starts
+        # empty and nothing watches it yet (a lock cannot be copied anyway).
+        del memo
+        return StepRecord(self.fields, self.floor, self.hysteresis,
+                          self.policy, self.limit)
+
     # Watches: objects with `live()` and `note_trace()`, added by the host.
 
     def add_watch(self, watch):
