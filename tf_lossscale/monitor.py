@@ -45,6 +45,7 @@ import functools
 
 import keras
 
+from tf_lossscale import keras_compat
 from tf_lossscale import optimizer_protocol
 from tf_lossscale import xla_checks
 
@@ -194,10 +195,11 @@ class _Monitor:
         if logs is not None:
             logs["loss_scale"] = scale
             logs["skipped_steps"] = skipped
-        # With steps_per_execution > 1, `batch` is the execution's last step
-        # and the steps before it in the execution are not seen one by one.
+        # With steps_per_execution > 1, a batch end covers the execution's
+        # steps, which are not seen one by one.
         first_step = self._step + 1
-        self._step = self._epoch_first_step + batch + 1
+        self._step = (self._epoch_first_step
+                      + keras_compat.last_step_of_batch(self, batch) + 1)
         if self.verbose:
             self._report(skipped - self._skipped, first_step, scale)
         self._scale, self._skipped = scale, skipped
