@@ -8,6 +8,10 @@ can go the day the floor moves past it:
 * Keras before 3.11 passes `on_train_batch_end` the first step of an
   execution of `steps_per_execution` steps; 3.11 and later, like tf-keras,
   pass its last (`last_step_of_batch`).
+
+Left as Keras has it: before 3.15 Keras' progress bar shows the epoch's
+average of every value in the logs, `loss_scale` and `skipped_steps` too
+(History, CSVLogger and TensorBoard get them as logged).
 """
 
 import keras
