@@ -445,3 +445,24 @@ def test_readme_set_up_commands_install_a_tensorflow():
             for requirement in extras[extra.strip()]
         }
         assert brought & {"tensorflow", "tensorflow-cpu"}, command
+
+
+# --- CI runs both ends --------------------------------------------------------
+
+
+def test_ci_runs_the_oldest_and_the_newest_releases_of_each_range():
+    script = (_ROOT / ".ci" / "run").read_text()
+    block = re.search(r"^releases=\(\n(.*?)^\)", script,
+                      re.DOTALL | re.MULTILINE).group(1)
+    runs = [line.strip().strip('"').split() for line in block.splitlines()]
+    ranges = (requirements.TENSORFLOW, requirements.TF_KERAS,
+              requirements.KERAS)
+    for run, end in ((runs[0], "oldest"), (runs[-1], "newest")):
+        assert [requirements.release_series(version) for version in run] == [
+            getattr(supported, end) for supported in ranges], run
+
+
+def test_readme_states_the_keras_range_and_what_ci_runs():
+    assert "Keras 3.10 or newer (tested up to 3.15)" in _README
+    assert ("TensorFlow\n2.16.2 with Keras 3.10.0, and TensorFlow 2.21.0 with "
+            "Keras 3.15.1") in _README

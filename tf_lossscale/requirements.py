@@ -72,7 +72,7 @@ class SupportedRange:
 
     @property
     def specifier(self):
-        """The pip specifier installs use: ">=2.16,<2.22", or ">=3.5"."""
+        """The pip specifier installs use: ">=2.16,<2.22", or ">=3.10"."""
         floor = ">=%d.%d" % self.oldest
         if not self.pinned:
             return floor
@@ -80,7 +80,7 @@ class SupportedRange:
 
     @property
     def tested_specifier(self):
-        """The tested releases as a pip specifier: ">=3.5,<3.16"."""
+        """The tested releases as a pip specifier: ">=3.10,<3.16"."""
         return ">=%d.%d,<%d.%d" % (self.oldest + (
             self.newest[0], self.newest[1] + 1))
 
