@@ -297,7 +297,8 @@ def test_keras_optimizer_lists_its_variables_and_their_positions():
 
 
 def test_keras_optimizer_checkpoint_dependency_names():
-    api = "keras Optimizer checkpoint names _iterations/_learning_rate/_variables"
+    api = ("keras Optimizer checkpoint names _iterations, _learning_rate, "
+           "_variables")
     module = "optimizer_saving"
     _, optimizer = _trained_plain_optimizer(keras.optimizers.SGD(0.1))
     children = dict(optimizer._trackable_children("checkpoint"))  # pylint: disable=protected-access
@@ -321,7 +322,7 @@ def test_keras_optimizer_restores_pending_slots_when_built():
     tf.train.Checkpoint(optimizer=receiving).read(path)
     pending = _get(receiving, "_deferred_dependencies", api, module)
     # Slots wait under their lists' names (Adam: `_momentums` and
-    # `_velocities`; before Keras 3.10 under `_variables` indices only).
+    # `_velocities`).
     lists = [name for name in pending if name not in ("_iterations",)]
     _expect(lists, api, module, "no restore pending on the unbuilt optimizer")
     entries = _get(receiving, "_variables", api, module)
