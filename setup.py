@@ -10,8 +10,11 @@ Probability, an extra names the distribution:
     pip install "tf_lossscale[tensorflow]"      # or [tensorflow-cpu], [and-cuda]
 
 and `import tf_lossscale` checks that a TensorFlow in the supported range is
-installed (tf_lossscale/tensorflow_requirement.py, which also holds the
-range). `.[test]` adds the test tools (and `tensorflow`), `.[plot]` and
+installed. Keras is in `install_requires`, from the oldest supported release
+on: it is one pure-Python distribution that brings no TensorFlow, and
+TensorFlow itself accepts Keras releases this package does not support. The
+ranges live in tf_lossscale/requirements.py, which also checks them at import
+time. `.[test]` adds the test tools (and `tensorflow`), `.[plot]` and
 `.[tensorboard]` what the demo's --plot and --logdir need.
 """
 
@@ -25,15 +28,18 @@ _ROOT = pathlib.Path(__file__).parent
 _VERSION = re.search(r'^__version__ = "([^"]+)"',
                      (_ROOT / "tf_lossscale" / "__init__.py").read_text(),
                      re.MULTILINE).group(1)
-# The supported TensorFlow releases, e.g. ">=2.16,<2.22", and the extras that
-# bring one, from the module that checks them at import time.
-_REQUIREMENT = runpy.run_path(
-    str(_ROOT / "tf_lossscale" / "tensorflow_requirement.py"))
-_TF = _REQUIREMENT["SPECIFIER"]
+# The supported TensorFlow releases, e.g. ">=2.16,<2.22", the extras that
+# bring one, and the Keras and tf-keras ranges, from the module that checks
+# them at import time.
+_REQUIREMENTS = runpy.run_path(
+    str(_ROOT / "tf_lossscale" / "requirements.py"))
+_TF = _REQUIREMENTS["TENSORFLOW"].specifier
 _TENSORFLOW_EXTRAS = {
     extra: [distribution + _TF]
-    for extra, distribution, _ in _REQUIREMENT["EXTRAS"]
+    for extra, distribution, _ in _REQUIREMENTS["EXTRAS"]
 }
+_KERAS = "keras" + _REQUIREMENTS["KERAS"].specifier
+_TF_KERAS = "tf-keras" + _REQUIREMENTS["TF_KERAS"].specifier
 
 setuptools.setup(
     name="tf_lossscale",
@@ -50,9 +56,10 @@ setuptools.setup(
               "tf_lossscale.demo"],
     package_dir={"tf_lossscale.configs": "configs"},
     package_data={"tf_lossscale.configs": ["*.json"]},
-    # No TensorFlow here: see the docstring above. Nor absl-py: only the
-    # demo's command line uses it, and every TensorFlow depends on it.
-    install_requires=[],
+    # No TensorFlow here, and no upper bound on Keras: see the docstring
+    # above. No absl-py either: only the demo's command line uses it, and
+    # every TensorFlow depends on it.
+    install_requires=[_KERAS],
     extras_require={
         # "tensorflow", "tensorflow-cpu", "and-cuda": one TensorFlow each.
         **_TENSORFLOW_EXTRAS,
@@ -63,14 +70,14 @@ setuptools.setup(
         "tensorboard": ["tensorboard" + _TF],
         # tf-keras (Keras 2) optimizers, `TF_USE_LEGACY_KERAS=1`. tf-keras
         # depends on the `tensorflow` distribution; same release range.
-        "tf-keras": ["tf-keras" + _TF],
+        "tf-keras": [_TF_KERAS],
         # The suite also runs the demo's --plot and --logdir, and the tf-keras
         # wrapper. It brings the full `tensorflow` distribution, the one
         # tf-keras depends on: run it in an environment of its own rather
         # than over a tensorflow-cpu.
         "test": _TENSORFLOW_EXTRAS["tensorflow"] + [
             "pytest", "absl-py", "matplotlib", "tensorboard" + _TF,
-            "tf-keras" + _TF],
+            _TF_KERAS],
         # The documentation site: `mkdocs build --strict` (.ci/docs). Reads
         # the source with griffe; needs no TensorFlow.
         # Lower bounds: the versions the site was built with; MkDocs 2 drops

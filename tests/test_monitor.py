@@ -16,6 +16,7 @@ import pytest
 import tensorflow as tf
 
 import tf_lossscale
+from tf_lossscale import keras_compat
 from tf_lossscale import monitor
 
 import strategies  # pylint: disable=g-bad-import-order
@@ -129,9 +130,11 @@ def test_every_batch_end_logs_the_current_scale_and_count(fit_run):
     batch_logs = fit_run["batch_logs"]
     spe = fit_run["steps_per_execution"]
 
-    # One batch end per execution of steps_per_execution steps.
+    # One batch end per execution of steps_per_execution steps, named by its
+    # last step (by its first before Keras 3.11: see keras_compat).
+    named = spe - 1 if keras_compat.KERAS_SERIES >= (3, 11) else 0
     assert [batch for batch, _ in batch_logs] == list(
-        range(spe - 1, _STEPS_PER_EPOCH, spe)) * _EPOCHS
+        range(named, _STEPS_PER_EPOCH, spe)) * _EPOCHS
     for _, logs in batch_logs:
         # Python numbers, not tensors or numpy scalars.
         assert (type(logs["loss_scale"]), type(logs["skipped_steps"])) == (
@@ -270,6 +273,25 @@ def test_verbose_prints_a_burst_once_and_its_summary_then_a_lone_skip(capsys):
         "LossScaleMonitor: skipped step 40; loss scale 32.0 -> 16.0; "
         f"non-finite gradients: {every_variable}",
     ]
+
+
+def test_verbose_names_the_steps_of_each_execution(capsys):
+    # Four steps per execution over ten: the skip at step 6 is seen at the
+    # end of steps 5-8, the one at step 10 at the end of steps 9-10, whatever
+    # step number Keras passes the batch end.
+    model = _compiled_model(steps_per_execution=4, initial_scale=1024.0)
+    x, y = _data(steps=10, nan_at_steps=[6, 10])
+
+    model.fit(x, y, batch_size=_BATCH_SIZE, epochs=1, shuffle=False,
+              verbose=0,
+              callbacks=[tf_lossscale.LossScaleMonitor(verbose=True)])
+
+    assert int(model.optimizer.skipped_steps) == 2
+    assert [line.split(";")[0] for line in _monitor_lines(
+        capsys.readouterr().out)] == [
+            "LossScaleMonitor: skipped 1 of steps 5-8",
+            "LossScaleMonitor: 1 more skipped step in steps 9-10",
+        ]
 
 
 def test_verbose_names_only_the_overflowing_float16_layer(capsys):

@@ -20,19 +20,32 @@ Public API:
 """
 
 # TensorFlow is not a pip requirement of this package (setup.py says why):
-# check here, before any module imports it, that one is installed and in the
-# supported range, with an ImportError that says how to fix it.
-from tf_lossscale import tensorflow_requirement as _tensorflow_requirement
+# check here, before any module imports it, that one is installed and not
+# older than supported, and Keras too, with an ImportError that says how to
+# fix it. Newer than tested releases get one warning (requirements.py).
+from tf_lossscale import requirements as _requirements
 
-_tensorflow_requirement.check_tensorflow()
+_newer_than_tested = [_requirements.check_tensorflow(),
+                      _requirements.check_keras()]
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from importlib import util as _importlib_util
 
+from tf_lossscale import optimizer_protocol as _optimizer_protocol
+
+# With `tf.keras` being tf-keras, its users load saved models in processes
+# that have wrapped no optimizer yet: the tf-keras wrappers are registered
+# below, and tf-keras is checked now, in the same warning. Otherwise tf_keras
+# is imported (and checked) only when a tf-keras optimizer is wrapped.
+_tf_keras_now = _optimizer_protocol.tf_keras_is_tf_keras() and (
+    _importlib_util.find_spec("tf_keras") is not None)
+if _tf_keras_now:
+    _newer_than_tested.append(_requirements.check_tf_keras())
+_requirements.warn_untested(_newer_than_tested)
+
 from tf_lossscale import compat
 from tf_lossscale.diagnosis import diagnose
 from tf_lossscale.diagnosis_report import Float16Diagnosis
-from tf_lossscale import optimizer_protocol as _optimizer_protocol
 from tf_lossscale.keras_optimizer import LossScaleOptimizer
 from tf_lossscale.loss_scale import DynamicLossScale
 from tf_lossscale.loss_scale import FixedLossScale
@@ -43,14 +56,10 @@ from tf_lossscale.serialization import deserialize
 from tf_lossscale.serialization import get
 from tf_lossscale.serialization import serialize
 from tf_lossscale.xla_checks import with_xla_checks
-# pylint: enable=g-import-not-at-top,wrong-import-position
 
-# With `tf.keras` being tf-keras, its users load saved models in processes
-# that have wrapped no optimizer yet: register the tf-keras wrappers now.
-# Otherwise tf_keras is imported only when a tf-keras optimizer is wrapped.
-if _optimizer_protocol.tf_keras_is_tf_keras() and (
-        _importlib_util.find_spec("tf_keras") is not None):
-    from tf_lossscale import tf_keras_optimizer  # pylint: disable=g-import-not-at-top,unused-import
+if _tf_keras_now:
+    from tf_lossscale import tf_keras_optimizer  # pylint: disable=unused-import
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 __version__ = "0.3.0"
 

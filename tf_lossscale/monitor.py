@@ -71,6 +71,7 @@ import functools
 import keras
 
 from tf_lossscale import float16_layers
+from tf_lossscale import keras_compat
 from tf_lossscale import optimizer_protocol
 from tf_lossscale import step_gradient_stats
 from tf_lossscale import validation
@@ -334,10 +335,11 @@ class _Monitor:
             logs["loss_scale"] = scale
             logs["skipped_steps"] = skipped
         self._log_stats(logs)
-        # With steps_per_execution > 1, `batch` is the execution's last step
-        # and the steps before it in the execution are not seen one by one.
+        # With steps_per_execution > 1, a batch end covers the execution's
+        # steps, which are not seen one by one.
         first_step = self._step + 1
-        self._step = self._epoch_first_step + batch + 1
+        self._step = (self._epoch_first_step
+                      + keras_compat.last_step_of_batch(self, batch) + 1)
         if self.verbose:
             self._report(skipped - self._skipped, first_step, scale)
         self._scale, self._skipped = scale, skipped

@@ -41,6 +41,14 @@ wrapper's own, which `.h5` files and `.keras` files store; configs are
 (`dynamic`, `initial_scale`, `dynamic_growth_steps`) load too.
 """
 
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from tf_lossscale import requirements
+
+# Before tf_keras' internals below are reached: an older tf-keras than
+# supported fails here with an ImportError that says what to install; a newer
+# one than tested gets a warning (unless `import tf_lossscale` gave it).
+requirements.warn_untested([requirements.check_tf_keras()])
+
 import tensorflow as tf
 import tf_keras
 from tf_keras.src.mixed_precision import loss_scale_optimizer as tf_keras_lso
@@ -52,6 +60,7 @@ from tf_lossscale import optimizer_protocol
 from tf_lossscale import step_arguments
 from tf_lossscale import tf_keras_arguments
 from tf_lossscale import xla_checks
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 _NEW_BASE = tf_keras.optimizers.Optimizer
 _LEGACY_BASE = tf_keras.optimizers.legacy.Optimizer
