@@ -15,19 +15,17 @@ written):
 * Small gradients of the same dtype and static shape are stacked and checked
   with `is_finite` and `reduce_all` as one tensor: a handful of ops instead
   of two per gradient, on data that fits in cache.
-* A large gradient is reduced to one number whose finiteness it shares: a
-  weighted sum with tiny weights (2**-64 for float32/float64), computed as a
-  matrix-vector product, which reads the gradient once at memory speed. NaN
-  or +-Inf anywhere makes that number non-finite; finite gradients cannot
-  overflow it, since every product is at most 2**64 times smaller than the
-  largest finite value. Where no such product applies (unknown shapes,
-  float16/bfloat16, awkward sizes), a plain sum stands in; it can overflow for
-  finite gradients.
-* So a non-finite number only says "maybe". Then, and only then, a
-  `tf.cond` re-checks the large gradients exactly (`is_finite` and
-  `reduce_all`), so a finite gradient set is never reported as non-finite,
-  however large its values. The cond takes only the large gradients, which
-  keeps it small: its cost grows with the number of its inputs.
+* A large gradient is reduced to its sum: one op, which reads it once and
+  writes nothing gradient-sized. NaN or +-Inf anywhere makes the sum
+  non-finite (IEEE arithmetic propagates them); finite values make it
+  non-finite only when the sum overflows its dtype (float16: beyond 65504;
+  float32: only for values far beyond what a step with a useful loss scale
+  produces).
+* So a non-finite sum only says "maybe". Then, and only then, a `tf.cond`
+  re-checks the large gradients exactly (`is_finite` and `reduce_all`), so a
+  finite gradient set is never reported as non-finite, however large its
+  values. The cond takes only the large gradients, which keeps it small: its
+  cost grows with the number of its inputs.
 
 `finite_flags(grads)` gives one exact flag per gradient, for reporting which
 ones overflowed; it is not on the per-step path.
@@ -44,11 +42,6 @@ import tensorflow as tf
 
 # Gradients up to this many elements are checked exactly, stacked by shape.
 _SMALL_ELEMENTS = 1 << 16
-# Row lengths tried for the matrix-vector product, longest first.
-_ROW_LENGTHS = range(4096, 63, -1)
-# Per-element weight of the product: small enough that no sum of finite
-# float32/float64 values can overflow, and still a normal number.
-_TINY_WEIGHT = 2.0 ** -64
 
 
 def flatten_gradients(grads):
@@ -89,34 +82,12 @@ def _conjunction(flags):
     return tf.reduce_all(tf.stack(flags))
 
 
-def _row_length(values):
-    """A row length for the tiny-weight product, or None if there is none."""
-    if values.dtype not in (tf.float32, tf.float64):
-        # float16 cannot hold the tiny weight, bfloat16 products are not
-        # computed exactly enough; a sum with the exact fallback covers them.
-        return None
-    count = values.shape.num_elements()
-    if count is None:
-        return None
-    for length in _ROW_LENGTHS:
-        if count % length == 0:
-            return length
-    return None
-
-
 def _sentinel(values):
-    """A float32 scalar that is finite if `values` is finite, and is never
-    finite when `values` holds NaN or +-Inf."""
-    length = _row_length(values)
-    if length is None:
-        total = tf.reduce_sum(values)
-    else:
-        weights = tf.fill([length], tf.constant(_TINY_WEIGHT, values.dtype))
-        total = tf.reduce_sum(
-            tf.linalg.matvec(tf.reshape(values, [-1, length]), weights))
-    # A float64 total beyond float32 becomes inf here: a "maybe", which the
+    """A float32 scalar that is never finite when `values` holds NaN or
+    +-Inf, and is finite for finite `values` unless their sum overflows."""
+    # A float64 sum beyond float32 becomes inf here: a "maybe", which the
     # exact fallback settles.
-    return tf.cast(total, tf.float32)
+    return tf.cast(tf.reduce_sum(values), tf.float32)
 
 
 def _split_source(values):
