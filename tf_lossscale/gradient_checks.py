@@ -27,8 +27,10 @@ written):
   values. The cond takes only the large gradients, which keeps it small: its
   cost grows with the number of its inputs.
 
-`finite_flags(grads)` gives one exact flag per gradient, for reporting which
-ones overflowed; it is not on the per-step path.
+`nonfinite_flags(grads)` gives one exact flag per gradient, for reporting
+which ones overflowed; it runs on skipped steps only. It is built from as few
+ops as it can be (one handful per pack, two per other gradient): in a graph,
+even a branch that does not run costs a little for every op it holds.
 
 Accepted gradients: a tensor, or any nested structure (lists, tuples, dicts) of
 dense tensors, `tf.IndexedSlices` (only the values are checked) and `None`
@@ -159,8 +161,77 @@ def all_finite(grads):
     return _conjunction(flags)
 
 
-def finite_flags(grads):
-    """Exact per-gradient flags: a list of scalar bool tensors, one for each
-    entry of `tf.nest.flatten(grads)`; `None` entries count as finite."""
-    return [tf.constant(True) if grad is None else is_finite(dense_values(grad))
-            for grad in tf.nest.flatten(grads)]
+def nonfinite_flags(grads):
+    """Exact per-gradient flags: a bool vector with one element for each
+    entry of `tf.nest.flatten(grads)`, True where that gradient holds NaN or
+    +-Inf (`None` entries: False).
+
+    In graphs, gradients that are together every output of one unstack, or
+    of one split of a vector (as `tf_lossscale.unscaling` packs them), get
+    their flags from that op's input with a handful of ops; every other
+    gradient takes two.
+    """
+    values = [None if grad is None else dense_values(grad)
+              for grad in tf.nest.flatten(grads)]
+    outputs = {}  # split op -> {output index: [positions]}; ordered
+    singles = []  # (position, values)
+    for position, value in enumerate(values):
+        source = None if value is None else _split_source(value)
+        if source is None:
+            if value is not None:
+                singles.append((position, value))
+            continue
+        op, index = source
+        outputs.setdefault(op, {}).setdefault(index, []).append(position)
+    parts, order = [], {}  # flag vectors; position -> index in their concat
+    offset = 0
+    for op, by_index in outputs.items():
+        flags = None
+        if len(by_index) == len(op.outputs):
+            flags = _split_nonfinite_flags(op)
+        if flags is None:  # Not the whole split, or not one it can read.
+            singles += [(position, op.outputs[index])
+                        for index, positions in by_index.items()
+                        for position in positions]
+            continue
+        parts.append(flags)
+        for index, positions in by_index.items():
+            order.update((position, offset + index) for position in positions)
+        offset += len(op.outputs)
+    if singles:
+        parts.append(tf.logical_not(tf.stack(
+            [is_finite(value) for _, value in singles])))
+        order.update((position, offset + i)
+                     for i, (position, _) in enumerate(singles))
+        offset += len(singles)
+    if len(order) < len(values):
+        parts.append(tf.constant([False]))  # For the `None` entries.
+    if not parts:
+        return tf.zeros([0], tf.bool)
+    flags = parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
+    indices = [order.get(position, offset) for position in range(len(values))]
+    if indices == list(range(len(values))):
+        return flags
+    return tf.gather(flags, indices)
+
+
+def _split_nonfinite_flags(op):
+    """Per-output flags of an unstack, or of a split of a vector with known
+    sizes, computed from its input; None for any other split."""
+    values = op.inputs[0]
+    rank = values.shape.rank
+    if op.type == "Unpack" and rank is not None:
+        axis = op.get_attr("axis") % rank
+        return tf.logical_not(tf.reduce_all(
+            tf.math.is_finite(values),
+            axis=[d for d in range(rank) if d != axis]))
+    sizes = tf.get_static_value(op.inputs[1]) if op.type == "SplitV" else None
+    if rank != 1 or sizes is None or any(size < 0 for size in sizes):
+        return None
+    # Non-finite elements up to each split point, by a running count.
+    bad = tf.cast(tf.logical_not(tf.math.is_finite(values)), tf.int64)
+    counts = tf.concat([tf.zeros([1], tf.int64), tf.cumsum(bad)], axis=0)
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + int(size))
+    return tf.gather(counts, bounds[1:]) > tf.gather(counts, bounds[:-1])

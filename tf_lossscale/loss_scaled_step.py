@@ -88,11 +88,14 @@ def _any_replica_nonfinite(grads, positions, size):
     i is not finite on any replica; False elsewhere."""
 
     def local_flags(local_grads):
-        finite = gradient_checks.finite_flags(list(local_grads))
-        by_position = dict(zip(positions, finite))
-        return tf.stack([
-            tf.logical_not(by_position[i]) if i in by_position
-            else tf.constant(False) for i in range(size)])
+        flags = gradient_checks.nonfinite_flags(list(local_grads))
+        if list(positions) == list(range(size)):
+            return flags
+        if not positions:
+            return tf.zeros([size], tf.bool)
+        return tf.tensor_scatter_nd_max(
+            tf.zeros([size], tf.int32), [[p] for p in positions],
+            tf.cast(flags, tf.int32)) > 0
 
     return distribution.any_replica_true(local_flags, grads)
 
