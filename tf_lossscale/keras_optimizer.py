@@ -178,6 +178,9 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
 
     # Applying.
 
+    # The step's replaceable parts; the benchmark's ablations swap one.
+    _step_parts = loss_scaled_step.FULL_STEP
+
     def apply_gradients(self, grads_and_vars):
         self.check_unscaled()
         grads, trainable_variables = zip(*grads_and_vars)
@@ -203,13 +206,13 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
             # build opens the optimizer's name scope itself.
             self.build(trainable_variables)
         variables = trainable_variables or self._trainable_variables
+        parts = self._step_parts
         if not self._caller_unscales:
             # Read before the update below can change the scale.
-            grads = loss_scaled_step.unscale_for_apply(
-                grads, variables, self._loss_scale())
+            grads = parts.unscale(grads, variables, self._loss_scale())
         loss_scaled_step.apply_or_skip(
             self._loss_scale, grads, trainable_variables,
-            self.inner_optimizer.apply, self._skip_record)
+            self.inner_optimizer.apply, self._skip_record, parts)
 
     @property
     def _skip_record(self):

@@ -12,8 +12,13 @@ all of them:
    its public `update(grads)` instead);
 3. apply: the adapter's inner apply runs in every replica; or skip: a
    `SkipRecord` counts the step and records which variables' gradients were
-   not finite (worked out only on skipped steps, so applied steps pay
-   nothing for it).
+   not finite (worked out only on skipped steps; applied steps pay only the
+   executor's small cost per op of a branch not taken, kept low by reading
+   the flags through the unscale's packs).
+
+The unscale, the check and the agreement are the fields of a `StepParts`,
+`FULL_STEP` for every wrapper, so that each can be replaced on its own (the
+benchmark measures each part's cost that way).
 
 `unscale_for_apply` is step 0 for adapters whose caller hands over scaled
 gradients. Variables that take their gradient as their new value (Keras'
@@ -24,6 +29,8 @@ Under XLA the loss scale's failures and warnings are acted on by the host
 after each call: `tf_lossscale.xla_checks` (`XlaChecks` in `fit`,
 `with_xla_checks` around a custom step).
 """
+
+from typing import Callable, NamedTuple
 
 import tensorflow as tf
 
@@ -52,6 +59,32 @@ def unscale_for_apply(grads, variables, scale):
     their value; `None` and `tf.IndexedSlices` entries keep their form."""
     return unscaling.unscale(
         grads, scale, keep=[takes_gradient_as_value(v) for v in variables])
+
+
+class StepParts(NamedTuple):
+    """The parts of a step that are plain functions, so that each can be
+    replaced on its own.
+
+    Every wrapper runs `FULL_STEP`. The benchmark's ablations
+    (`benchmarks/lsbench/ablations.py`) replace one part at a time to
+    measure what it costs, on the step users run.
+
+    Attributes:
+      unscale: `unscale(grads, variables, scale)`, step 0 for adapters whose
+        caller hands over scaled gradients (`unscale_for_apply`).
+      check: `check(grads)`, one replica's gradients -> scalar bool, True
+        when all are finite (`gradient_checks.all_finite`).
+      agree: `agree(check, grads)`, cross-replica context -> the scalar bool
+        every replica agrees on (`distribution.all_replicas_true`).
+    """
+    unscale: Callable
+    check: Callable
+    agree: Callable
+
+
+FULL_STEP = StepParts(unscale=unscale_for_apply,
+                      check=gradient_checks.all_finite,
+                      agree=distribution.all_replicas_true)
 
 
 class SkipRecord:
@@ -100,23 +133,26 @@ def _any_replica_nonfinite(grads, positions, size):
     return distribution.any_replica_true(local_flags, grads)
 
 
-def update_loss_scale(loss_scale, grads):
+def update_loss_scale(loss_scale, grads, parts=None):
     """Cross-replica context: updates `loss_scale` from `grads` (unscaled,
     possibly per-replica) and returns `(update_op, should_apply)`.
 
     The built-in loss scales are driven by the all-replica flag directly,
     with `should_apply` ordered after their state check, update and policy;
-    a fixed scale that never skips computes no check at all.
+    a fixed scale that never skips computes no check at all. `parts`: the
+    `StepParts` whose check and agreement give that flag (`FULL_STEP`).
     """
+    parts = parts or FULL_STEP
     update_from_flag = getattr(loss_scale, "_update_from_all_finite", None)
     if update_from_flag is None:
         return loss_scale.update(grads)  # A user-defined LossScale.
     if not getattr(loss_scale, "_needs_finiteness", True):
         return update_from_flag(tf.constant(True))
-    return update_from_flag(distribution.all_replicas_finite(grads))
+    return update_from_flag(parts.agree(parts.check, grads))
 
 
-def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record):
+def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record,
+                  parts=None):
     """One step: update the scale, then apply in every replica or skip.
 
     May be called in a replica context (inside `strategy.run`, `fit`'s train
@@ -132,6 +168,7 @@ def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record):
         return an op or tensor to wait on.
       skip_record: the `SkipRecord` written on skipped steps, or None to
         record nothing (a wrapper whose checkpoints hold no such state).
+      parts: the `StepParts` to run; None for `FULL_STEP`.
 
     Returns:
       None eagerly; in graphs an op that runs the whole step (TF1 callers
@@ -141,15 +178,15 @@ def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record):
     # back regrouped per replica, callables included.
     def cross_replica_step(grads, variables):
         return _apply_or_skip_cross_replica(
-            loss_scale, grads, variables, apply_fn, skip_record)
+            loss_scale, grads, variables, apply_fn, skip_record, parts)
 
     return distribution.call_in_cross_replica_context(
         cross_replica_step, grads, variables)
 
 
 def _apply_or_skip_cross_replica(loss_scale, grads, variables, apply_fn,
-                                 skip_record):
-    update_op, should_apply = update_loss_scale(loss_scale, grads)
+                                 skip_record, parts):
+    update_op, should_apply = update_loss_scale(loss_scale, grads, parts)
 
     def apply_in_every_replica():
         results = distribution.call_for_each_replica(apply_fn, grads,
