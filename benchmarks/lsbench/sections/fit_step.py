@@ -1,0 +1,136 @@
+"""`model.fit` without XLA: what loss scaling adds to a training step.
+
+Interleaved fits of the MLP of `lsbench.fit_runs`: no loss scaling; the
+barrier alone (plain SGD made to wait until every gradient is known before
+its first update, as any skip decision must: the part no exact loss scaling
+can avoid); Keras 3's wrapper; tf_lossscale; tf_lossscale with its
+`LossScaleMonitor`; and tf_lossscale with one feature taken away, for each
+feature that holds ops in this step (`lsbench.ablations`): a feature costs
+the difference between the full step and its ablation, measured in the same
+rounds. The state check and policies are measured twice: the default scale
+(the state check alone) and a scale with "warn" and max_consecutive_skips.
+
+Targets: tf_lossscale's CPU overhead over no loss scaling at most half of
+Keras 3's; the monitor at most 1% of an unscaled step.
+"""
+
+import keras
+import tensorflow as tf
+
+import tf_lossscale
+from lsbench import ablations
+from lsbench import fit_runs
+from lsbench import report as report_module
+
+NAME = "fit"
+TITLE = "model.fit without XLA, CPU time over no loss scaling"
+FEATURES_TITLE = "Cost per feature: CPU time per fit step, % of an unscaled step"
+FEATURES_COLUMNS = ["feature", "measured in", "ops in the traced step",
+                    "ops it removes", "cost per step"]
+TARGET_SHARE_OF_KERAS = 0.5
+TARGET_MONITOR = 0.01
+
+_KERAS = "Keras 3 LossScaleOptimizer"
+_OURS = "tf_lossscale"
+_MONITOR = "tf_lossscale + LossScaleMonitor"
+_BARRIER = "barrier only (SGD waits for all grads)"
+_POLICIES = dict(on_min_loss_scale="warn", max_consecutive_skips=1000)
+_WITH_POLICIES = "tf_lossscale, warn + max_consecutive_skips"
+
+
+class _BarrierSGD(keras.optimizers.SGD):
+    """SGD that waits for every gradient before its first update."""
+
+    def __init__(self, learning_rate):
+        super().__init__(learning_rate, name="barrier_sgd")
+
+    def apply(self, grads, trainable_variables=None):
+        grads = tf.identity_n(list(grads))
+        return super().apply(grads, trainable_variables)
+
+
+def _without(feature):
+    return f"tf_lossscale without {feature}"
+
+
+def _graph_ablations():
+    return [a for a in ablations.ABLATIONS if a.where == "graph"]
+
+
+def candidates():
+    state_check = ablations.by_feature("the state check and policies")
+    runs = {
+        fit_runs.BASELINE: fit_runs.Candidate(),
+        _BARRIER: fit_runs.Candidate(inner=_BarrierSGD),
+        _KERAS: fit_runs.Candidate(keras.optimizers.LossScaleOptimizer),
+        _OURS: fit_runs.Candidate(ablations.full),
+        _MONITOR: fit_runs.Candidate(
+            ablations.full, callbacks=(tf_lossscale.LossScaleMonitor,)),
+    }
+    for ablation in _graph_ablations():
+        runs[_without(ablation.feature)] = fit_runs.Candidate(ablation.make)
+    runs[_WITH_POLICIES] = fit_runs.Candidate(
+        lambda inner: ablations.full(inner, **_POLICIES))
+    runs[_without("the state check and policies") + ", warn + limit"] = (
+        fit_runs.Candidate(lambda inner: state_check.make(inner, **_POLICIES)))
+    return runs
+
+
+def run(context):
+    report, settings = context.report, context.settings
+    shape = fit_runs.fit_shape(settings)
+    report.line(f"\n{NAME}: {TITLE}: a 6x{shape.width} MLP, mixed_bfloat16 "
+                f"compute, batch {shape.batch_size}, {shape.steps} steps per "
+                f"run, {shape.rounds} rounds")
+    ratios = fit_runs.interleaved_fits(
+        fit_runs.build(candidates(), shape), shape, shape.rounds)
+    fit_runs.show(report, ratios)
+    ours, theirs = ratios.overhead(_OURS), ratios.overhead(_KERAS)
+    report.line(f"  CPU overhead over no loss scaling: tf_lossscale "
+                f"{ours:+.3f}, Keras 3 {theirs:+.3f}")
+    fit_holds = report.target(
+        "fit CPU overhead: tf_lossscale's (vs half of Keras 3's)", ours,
+        TARGET_SHARE_OF_KERAS * theirs)
+    monitor = ratios.cpu[_MONITOR] - ratios.cpu[_OURS]
+    monitor_holds = report.target(
+        "LossScaleMonitor's cost per fit step (vs 1%)", monitor,
+        TARGET_MONITOR)
+    barrier = ratios.overhead(_BARRIER)
+    report.line(f"  the barrier alone: {barrier:+.3f}; beyond it: "
+                f"tf_lossscale {ours - barrier:+.3f}, Keras 3 "
+                f"{theirs - barrier:+.3f}")
+
+    table = report.table(TITLE, ["run", "CPU time", "wall time", "target"])
+    for name in ratios.cpu:
+        target = ""
+        if name == _OURS:
+            limit = TARGET_SHARE_OF_KERAS * theirs
+            target = (f"≤ half of Keras 3's ({limit:+.1%}) "
+                      f"{report_module.verdict(fit_holds)}")
+        elif name == _MONITOR:
+            target = (f"monitor {monitor:+.1%} ≤ 1% "
+                      f"{report_module.verdict(monitor_holds)}")
+        table.add(name, fit_runs.percent(ratios.overhead(name)),
+                  fit_runs.percent(ratios.wall[name] - 1.0), target)
+    report.show(table)
+    _feature_rows(report, ratios, settings)
+
+
+def _feature_rows(report, ratios, settings):
+    shapes = [tuple(v.shape) for v in fit_runs.mlp(
+        fit_runs.fit_shape(settings).width).trainable_variables]
+    features = report.shared_table(FEATURES_TITLE, FEATURES_COLUMNS)
+    for ablation in _graph_ablations():
+        total, removed = ablations.ops_removed(ablation, shapes)
+        cost = ratios.cpu[_OURS] - ratios.cpu[_without(ablation.feature)]
+        features.add(ablation.feature + (
+            " (the default scale: the state check alone)"
+            if ablation.feature == "the state check and policies" else ""),
+                     "fit, no XLA", total, removed, fit_runs.percent(cost))
+    ablation = ablations.by_feature("the state check and policies")
+    total, removed = ablations.ops_removed(ablation, shapes, **_POLICIES)
+    cost = (ratios.cpu[_WITH_POLICIES]
+            - ratios.cpu[_without(ablation.feature) + ", warn + limit"])
+    features.add(ablation.feature + " (warn, max_consecutive_skips)",
+                 "fit, no XLA", total, removed, fit_runs.percent(cost))
+    report.show(features)
