@@ -7,10 +7,18 @@ only medians of ratios measured within one process are reported.
 
 import statistics
 import time
+from typing import NamedTuple
+
+
+class Samples(NamedTuple):
+    """name -> seconds per call, one per round, in process CPU time (all
+    threads) and in wall time."""
+    cpu: dict
+    wall: dict
 
 
 def interleaved(candidates, rounds, calls):
-    """Wall time of each candidate in interleaved rounds.
+    """Times each candidate in interleaved rounds.
 
     Args:
       candidates: name -> callable; each is called once first, outside the
@@ -19,22 +27,21 @@ def interleaved(candidates, rounds, calls):
       calls: calls per candidate per round.
 
     Returns:
-      name -> list of seconds per call, one per round.
+      `Samples`. CPU time is the figure to trust on a loaded machine: it
+      leaves out the time other processes hold the cores.
     """
     for fn in candidates.values():
         fn()
-    samples = {name: [] for name in candidates}
+    samples = Samples({name: [] for name in candidates},
+                      {name: [] for name in candidates})
     for _ in range(rounds):
         for name, fn in candidates.items():
-            start = time.perf_counter()
+            cpu, wall = time.process_time(), time.perf_counter()
             for _ in range(calls):
                 fn()
-            samples[name].append((time.perf_counter() - start) / calls)
+            samples.cpu[name].append((time.process_time() - cpu) / calls)
+            samples.wall[name].append((time.perf_counter() - wall) / calls)
     return samples
-
-
-def medians(samples):
-    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def median_ratios(samples, baseline):

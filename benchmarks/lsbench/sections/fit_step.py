@@ -1,6 +1,10 @@
 """`model.fit` without XLA: what loss scaling adds to a training step.
 
-Interleaved fits of the MLP of `lsbench.fit_runs`: no loss scaling; the
+First the optimizer's step alone on the MLP's gradients (`lsbench.step_costs`:
+CPU microseconds per call over plain SGD, for Keras 3's wrapper, tf_lossscale
+and each ablation), where a feature's cost is not lost in the noise of a
+whole training step. Then interleaved fits of the MLP of `lsbench.fit_runs`:
+no loss scaling; the
 barrier alone (plain SGD made to wait until every gradient is known before
 its first update, as any skip decision must: the part no exact loss scaling
 can avoid); Keras 3's wrapper; tf_lossscale; tf_lossscale with its
@@ -21,12 +25,14 @@ import tf_lossscale
 from lsbench import ablations
 from lsbench import fit_runs
 from lsbench import report as report_module
+from lsbench import step_costs
 
 NAME = "fit"
 TITLE = "model.fit without XLA, CPU time over no loss scaling"
-FEATURES_TITLE = "Cost per feature: CPU time per fit step, % of an unscaled step"
+FEATURES_TITLE = "Cost per feature (CPU time)"
 FEATURES_COLUMNS = ["feature", "measured in", "ops in the traced step",
-                    "ops it removes", "cost per step"]
+                    "ops it removes", "step alone: µs per call",
+                    "fit: % of an unscaled step"]
 TARGET_SHARE_OF_KERAS = 0.5
 TARGET_MONITOR = 0.01
 
@@ -36,6 +42,8 @@ _MONITOR = "tf_lossscale + LossScaleMonitor"
 _BARRIER = "barrier only (SGD waits for all grads)"
 _POLICIES = dict(on_min_loss_scale="warn", max_consecutive_skips=1000)
 _WITH_POLICIES = "tf_lossscale, warn + max_consecutive_skips"
+_WITHOUT_POLICIES = ("tf_lossscale without the state check and policies, "
+                     "warn + limit")
 
 
 class _BarrierSGD(keras.optimizers.SGD):
@@ -57,6 +65,19 @@ def _graph_ablations():
     return [a for a in ablations.ABLATIONS if a.where == "graph"]
 
 
+def _step_makers():
+    """name -> make(inner) for the step-alone measurement."""
+    state_check = ablations.by_feature("the state check and policies")
+    makers = {_KERAS: keras.optimizers.LossScaleOptimizer,
+              _OURS: ablations.full}
+    for ablation in _graph_ablations():
+        makers[_without(ablation.feature)] = ablation.make
+    makers[_WITH_POLICIES] = lambda inner: ablations.full(inner, **_POLICIES)
+    makers[_WITHOUT_POLICIES] = (
+        lambda inner: state_check.make(inner, **_POLICIES))
+    return makers
+
+
 def candidates():
     state_check = ablations.by_feature("the state check and policies")
     runs = {
@@ -71,9 +92,14 @@ def candidates():
         runs[_without(ablation.feature)] = fit_runs.Candidate(ablation.make)
     runs[_WITH_POLICIES] = fit_runs.Candidate(
         lambda inner: ablations.full(inner, **_POLICIES))
-    runs[_without("the state check and policies") + ", warn + limit"] = (
-        fit_runs.Candidate(lambda inner: state_check.make(inner, **_POLICIES)))
+    runs[_WITHOUT_POLICIES] = fit_runs.Candidate(
+        lambda inner: state_check.make(inner, **_POLICIES))
     return runs
+
+
+def _mlp_shapes(shape):
+    return [tuple(v.shape) for v in fit_runs.mlp(shape.width)
+            .trainable_variables]
 
 
 def run(context):
@@ -82,6 +108,16 @@ def run(context):
     report.line(f"\n{NAME}: {TITLE}: a 6x{shape.width} MLP, mixed_bfloat16 "
                 f"compute, batch {shape.batch_size}, {shape.steps} steps per "
                 f"run, {shape.rounds} rounds")
+    alone = step_costs.microseconds(_step_makers(), _mlp_shapes(shape),
+                                    settings)
+    step_table = report.table(
+        "The optimizer's step alone on the fit MLP's gradients, CPU µs per "
+        "call over plain SGD", ["run", "µs per call"])
+    for name, microseconds in alone.items():
+        step_table.add(name, f"{microseconds:+.0f}")
+    report.show(step_table)
+    report.line(f"  step alone: tf_lossscale's overhead / Keras 3's: "
+                f"{alone[_OURS] / alone[_KERAS]:.2f}")
     ratios = fit_runs.interleaved_fits(
         fit_runs.build(candidates(), shape), shape, shape.rounds)
     fit_runs.show(report, ratios)
@@ -113,24 +149,22 @@ def run(context):
         table.add(name, fit_runs.percent(ratios.overhead(name)),
                   fit_runs.percent(ratios.wall[name] - 1.0), target)
     report.show(table)
-    _feature_rows(report, ratios, settings)
+    _feature_rows(report, ratios, alone, _mlp_shapes(shape))
 
 
-def _feature_rows(report, ratios, settings):
-    shapes = [tuple(v.shape) for v in fit_runs.mlp(
-        fit_runs.fit_shape(settings).width).trainable_variables]
+def _feature_rows(report, ratios, alone, shapes):
     features = report.shared_table(FEATURES_TITLE, FEATURES_COLUMNS)
-    for ablation in _graph_ablations():
-        total, removed = ablations.ops_removed(ablation, shapes)
-        cost = ratios.cpu[_OURS] - ratios.cpu[_without(ablation.feature)]
-        features.add(ablation.feature + (
-            " (the default scale: the state check alone)"
-            if ablation.feature == "the state check and policies" else ""),
-                     "fit, no XLA", total, removed, fit_runs.percent(cost))
-    ablation = ablations.by_feature("the state check and policies")
-    total, removed = ablations.ops_removed(ablation, shapes, **_POLICIES)
-    cost = (ratios.cpu[_WITH_POLICIES]
-            - ratios.cpu[_without(ablation.feature) + ", warn + limit"])
-    features.add(ablation.feature + " (warn, max_consecutive_skips)",
-                 "fit, no XLA", total, removed, fit_runs.percent(cost))
+    rows = [(ablation.feature, ablation, {}, _OURS,
+             _without(ablation.feature)) for ablation in _graph_ablations()]
+    rows.append((
+        "the state check and policies (warn, max_consecutive_skips)",
+        ablations.by_feature("the state check and policies"), _POLICIES,
+        _WITH_POLICIES, _WITHOUT_POLICIES))
+    for feature, ablation, config, full, ablated in rows:
+        total, removed = ablations.ops_removed(ablation, shapes, **config)
+        if feature == "the state check and policies":
+            feature += " (the default scale: the state check alone)"
+        features.add(feature, "no XLA", total, removed,
+                     f"{alone[full] - alone[ablated]:+.0f}",
+                     fit_runs.percent(ratios.cpu[full] - ratios.cpu[ablated]))
     report.show(features)

@@ -54,8 +54,8 @@ def run(context):
     report.show(table)
     features = report.shared_table(fit_step.FEATURES_TITLE,
                                    fit_step.FEATURES_COLUMNS)
-    features.add(_FEATURE, "fit, 2 replicas, no XLA", result["ops"],
-                 result["removed"], fit_runs.percent(
+    features.add(_FEATURE, "2 replicas, no XLA", result["ops"],
+                 result["removed"], "-", fit_runs.percent(
                      ratios.cpu[_OURS] - ratios.cpu[_WITHOUT]))
 
 

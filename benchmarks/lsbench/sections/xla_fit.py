@@ -66,4 +66,4 @@ def run(context):
     features = report.shared_table(fit_step.FEATURES_TITLE,
                                    fit_step.FEATURES_COLUMNS)
     features.add(_FEATURE + " (and the host's read after each call)",
-                 "fit, XLA", total, removed, fit_runs.percent(cost))
+                 "XLA", total, removed, "-", fit_runs.percent(cost))
