@@ -49,8 +49,10 @@ def microseconds(makers, shapes, settings):
     candidates = {SGD: _step(keras.optimizers.SGD(1e-9), shapes)}
     for name, make in makers.items():
         candidates[name] = _step(make(keras.optimizers.SGD(1e-9)), shapes)
-    calls = 1 if settings.quick else 40
-    samples = timing.interleaved(candidates, settings.step_rounds, calls).cpu
+    # Short turns, many rounds: load drifts less within a round.
+    calls = 1 if settings.quick else 10
+    samples = timing.interleaved(candidates, 4 * settings.step_rounds,
+                                 calls).cpu
     return {name: 1e6 * statistics.median(
         value - base for value, base in zip(values, samples[SGD]))
             for name, values in samples.items()}

@@ -38,6 +38,9 @@ TARGET_MONITOR = 0.01
 
 _KERAS = "Keras 3 LossScaleOptimizer"
 _OURS = "tf_lossscale"
+# The same step timed twice: how far apart two identical runs land is this
+# run's noise, printed beside the costs.
+_AGAIN = "tf_lossscale, again (the noise)"
 _MONITOR = "tf_lossscale + LossScaleMonitor"
 _BARRIER = "barrier only (SGD waits for all grads)"
 _POLICIES = dict(on_min_loss_scale="warn", max_consecutive_skips=1000)
@@ -69,7 +72,7 @@ def _step_makers():
     """name -> make(inner) for the step-alone measurement."""
     state_check = ablations.by_feature("the state check and policies")
     makers = {_KERAS: keras.optimizers.LossScaleOptimizer,
-              _OURS: ablations.full}
+              _OURS: ablations.full, _AGAIN: ablations.full}
     for ablation in _graph_ablations():
         makers[_without(ablation.feature)] = ablation.make
     makers[_WITH_POLICIES] = lambda inner: ablations.full(inner, **_POLICIES)
@@ -85,6 +88,7 @@ def candidates():
         _BARRIER: fit_runs.Candidate(inner=_BarrierSGD),
         _KERAS: fit_runs.Candidate(keras.optimizers.LossScaleOptimizer),
         _OURS: fit_runs.Candidate(ablations.full),
+        _AGAIN: fit_runs.Candidate(ablations.full),
         _MONITOR: fit_runs.Candidate(
             ablations.full, callbacks=(tf_lossscale.LossScaleMonitor,)),
     }
@@ -160,11 +164,17 @@ def _feature_rows(report, ratios, alone, shapes):
         "the state check and policies (warn, max_consecutive_skips)",
         ablations.by_feature("the state check and policies"), _POLICIES,
         _WITH_POLICIES, _WITHOUT_POLICIES))
+    totals = []
     for feature, ablation, config, full, ablated in rows:
         total, removed = ablations.ops_removed(ablation, shapes, **config)
+        totals.append(total)
         if feature == "the state check and policies":
             feature += " (the default scale: the state check alone)"
         features.add(feature, "no XLA", total, removed,
                      f"{alone[full] - alone[ablated]:+.0f}",
                      fit_runs.percent(ratios.cpu[full] - ratios.cpu[ablated]))
+    features.add("none (the same step timed twice: this run's noise)",
+                 "no XLA", totals[0], 0,
+                 f"{alone[_AGAIN] - alone[_OURS]:+.0f}",
+                 fit_runs.percent(ratios.cpu[_AGAIN] - ratios.cpu[_OURS]))
     report.show(features)
