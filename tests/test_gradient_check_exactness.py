@@ -1,8 +1,8 @@
 """The fast finiteness check is exact: it never trades a verdict for speed.
 
 `gradient_checks.all_finite` takes shortcuts (stacked small gradients, one
-tiny-weight product per large gradient, an exact re-check only when that
-product is not finite). Each test compares it with the plain definition,
+sum per large gradient, an exact re-check only when that sum is not
+finite). Each test compares it with the plain definition,
 `all(is_finite(g))` over every gradient, on gradients built to hit every
 shortcut: large and small, awkward sizes, unknown shapes, every float dtype,
 `IndexedSlices`, and finite values so large that any sum of them overflows.
@@ -26,8 +26,8 @@ pytestmark = pytest.mark.usefixtures("keras_isolation")
 _NAN = float("nan")
 _INF = float("inf")
 _FLOAT_DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64]
-# Element counts that take each path: small (stacked), large with a row
-# length for the product, and large with none (a prime: plain sum).
+# Element counts that take each path: small (stacked), and large (summed;
+# one of them a prime, as the check once treated those apart).
 _SIZES = {"small": 1000, "large": 70000, "large_prime": 65537}
 
 

@@ -15,22 +15,22 @@ written):
 * Small gradients of the same dtype and static shape are stacked and checked
   with `is_finite` and `reduce_all` as one tensor: a handful of ops instead
   of two per gradient, on data that fits in cache.
-* A large gradient is reduced to one number whose finiteness it shares: a
-  weighted sum with tiny weights (2**-64 for float32/float64), computed as a
-  matrix-vector product, which reads the gradient once at memory speed. NaN
-  or +-Inf anywhere makes that number non-finite; finite gradients cannot
-  overflow it, since every product is at most 2**64 times smaller than the
-  largest finite value. Where no such product applies (unknown shapes,
-  float16/bfloat16, awkward sizes), a plain sum stands in; it can overflow for
-  finite gradients.
-* So a non-finite number only says "maybe". Then, and only then, a
-  `tf.cond` re-checks the large gradients exactly (`is_finite` and
-  `reduce_all`), so a finite gradient set is never reported as non-finite,
-  however large its values. The cond takes only the large gradients, which
-  keeps it small: its cost grows with the number of its inputs.
+* A large gradient is reduced to its sum: one op, which reads it once and
+  writes nothing gradient-sized. NaN or +-Inf anywhere makes the sum
+  non-finite (IEEE arithmetic propagates them); finite values make it
+  non-finite only when the sum overflows its dtype (float16: beyond 65504;
+  float32: only for values far beyond what a step with a useful loss scale
+  produces).
+* So a non-finite sum only says "maybe". Then, and only then, a `tf.cond`
+  re-checks the large gradients exactly (`is_finite` and `reduce_all`), so a
+  finite gradient set is never reported as non-finite, however large its
+  values. The cond takes only the large gradients, which keeps it small: its
+  cost grows with the number of its inputs.
 
-`finite_flags(grads)` gives one exact flag per gradient, for reporting which
-ones overflowed; it is not on the per-step path.
+`nonfinite_flags(grads)` gives one exact flag per gradient, for reporting
+which ones overflowed; it runs on skipped steps only. It is built from as few
+ops as it can be (one handful per pack, two per other gradient): in a graph,
+even a branch that does not run costs a little for every op it holds.
 
 Accepted gradients: a tensor, or any nested structure (lists, tuples, dicts) of
 dense tensors, `tf.IndexedSlices` (only the values are checked) and `None`
@@ -44,11 +44,6 @@ import tensorflow as tf
 
 # Gradients up to this many elements are checked exactly, stacked by shape.
 _SMALL_ELEMENTS = 1 << 16
-# Row lengths tried for the matrix-vector product, longest first.
-_ROW_LENGTHS = range(4096, 63, -1)
-# Per-element weight of the product: small enough that no sum of finite
-# float32/float64 values can overflow, and still a normal number.
-_TINY_WEIGHT = 2.0 ** -64
 
 
 def flatten_gradients(grads):
@@ -89,34 +84,12 @@ def _conjunction(flags):
     return tf.reduce_all(tf.stack(flags))
 
 
-def _row_length(values):
-    """A row length for the tiny-weight product, or None if there is none."""
-    if values.dtype not in (tf.float32, tf.float64):
-        # float16 cannot hold the tiny weight, bfloat16 products are not
-        # computed exactly enough; a sum with the exact fallback covers them.
-        return None
-    count = values.shape.num_elements()
-    if count is None:
-        return None
-    for length in _ROW_LENGTHS:
-        if count % length == 0:
-            return length
-    return None
-
-
 def _sentinel(values):
-    """A float32 scalar that is finite if `values` is finite, and is never
-    finite when `values` holds NaN or +-Inf."""
-    length = _row_length(values)
-    if length is None:
-        total = tf.reduce_sum(values)
-    else:
-        weights = tf.fill([length], tf.constant(_TINY_WEIGHT, values.dtype))
-        total = tf.reduce_sum(
-            tf.linalg.matvec(tf.reshape(values, [-1, length]), weights))
-    # A float64 total beyond float32 becomes inf here: a "maybe", which the
+    """A float32 scalar that is never finite when `values` holds NaN or
+    +-Inf, and is finite for finite `values` unless their sum overflows."""
+    # A float64 sum beyond float32 becomes inf here: a "maybe", which the
     # exact fallback settles.
-    return tf.cast(total, tf.float32)
+    return tf.cast(tf.reduce_sum(values), tf.float32)
 
 
 def _split_source(values):
@@ -188,8 +161,77 @@ def all_finite(grads):
     return _conjunction(flags)
 
 
-def finite_flags(grads):
-    """Exact per-gradient flags: a list of scalar bool tensors, one for each
-    entry of `tf.nest.flatten(grads)`; `None` entries count as finite."""
-    return [tf.constant(True) if grad is None else is_finite(dense_values(grad))
-            for grad in tf.nest.flatten(grads)]
+def nonfinite_flags(grads):
+    """Exact per-gradient flags: a bool vector with one element for each
+    entry of `tf.nest.flatten(grads)`, True where that gradient holds NaN or
+    +-Inf (`None` entries: False).
+
+    In graphs, gradients that are together every output of one unstack, or
+    of one split of a vector (as `tf_lossscale.unscaling` packs them), get
+    their flags from that op's input with a handful of ops; every other
+    gradient takes two.
+    """
+    values = [None if grad is None else dense_values(grad)
+              for grad in tf.nest.flatten(grads)]
+    outputs = {}  # split op -> {output index: [positions]}; ordered
+    singles = []  # (position, values)
+    for position, value in enumerate(values):
+        source = None if value is None else _split_source(value)
+        if source is None:
+            if value is not None:
+                singles.append((position, value))
+            continue
+        op, index = source
+        outputs.setdefault(op, {}).setdefault(index, []).append(position)
+    parts, order = [], {}  # flag vectors; position -> index in their concat
+    offset = 0
+    for op, by_index in outputs.items():
+        flags = None
+        if len(by_index) == len(op.outputs):
+            flags = _split_nonfinite_flags(op)
+        if flags is None:  # Not the whole split, or not one it can read.
+            singles += [(position, op.outputs[index])
+                        for index, positions in by_index.items()
+                        for position in positions]
+            continue
+        parts.append(flags)
+        for index, positions in by_index.items():
+            order.update((position, offset + index) for position in positions)
+        offset += len(op.outputs)
+    if singles:
+        parts.append(tf.logical_not(tf.stack(
+            [is_finite(value) for _, value in singles])))
+        order.update((position, offset + i)
+                     for i, (position, _) in enumerate(singles))
+        offset += len(singles)
+    if len(order) < len(values):
+        parts.append(tf.constant([False]))  # For the `None` entries.
+    if not parts:
+        return tf.zeros([0], tf.bool)
+    flags = parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
+    indices = [order.get(position, offset) for position in range(len(values))]
+    if indices == list(range(len(values))):
+        return flags
+    return tf.gather(flags, indices)
+
+
+def _split_nonfinite_flags(op):
+    """Per-output flags of an unstack, or of a split of a vector with known
+    sizes, computed from its input; None for any other split."""
+    values = op.inputs[0]
+    rank = values.shape.rank
+    if op.type == "Unpack" and rank is not None:
+        axis = op.get_attr("axis") % rank
+        return tf.logical_not(tf.reduce_all(
+            tf.math.is_finite(values),
+            axis=[d for d in range(rank) if d != axis]))
+    sizes = tf.get_static_value(op.inputs[1]) if op.type == "SplitV" else None
+    if rank != 1 or sizes is None or any(size < 0 for size in sizes):
+        return None
+    # Non-finite elements up to each split point, by a running count.
+    bad = tf.cast(tf.logical_not(tf.math.is_finite(values)), tf.int64)
+    counts = tf.concat([tf.zeros([1], tf.int64), tf.cumsum(bad)], axis=0)
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + int(size))
+    return tf.gather(counts, bounds[1:]) > tf.gather(counts, bounds[:-1])

@@ -227,6 +227,9 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
 
     # Applying.
 
+    # The step's replaceable parts; the benchmark's ablations swap one.
+    _step_parts = loss_scaled_step.FULL_STEP
+
     def apply_gradients(self, grads_and_vars):
         self.check_unscaled()
         grads, trainable_variables = step_arguments.split_pairs(
@@ -259,14 +262,14 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
             # build opens the optimizer's name scope itself.
             with loss_scaled_step.building_outside_traces():
                 self.build(trainable_variables)
+        parts = self._step_parts
         if not self._caller_unscales:
             # Read before the update below can change the scale.
-            grads = loss_scaled_step.unscale_for_apply(
-                grads, variables, self._loss_scale())
+            grads = parts.unscale(grads, variables, self._loss_scale())
         loss_scaled_step.apply_or_skip(
             self._loss_scale, grads, trainable_variables,
             self.inner_optimizer.apply, self._skip_record,
-            stats=self._stats_for(variables))
+            stats=self._stats_for(variables), parts=parts)
 
     @property
     def _skip_record(self):

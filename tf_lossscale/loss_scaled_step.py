@@ -12,8 +12,13 @@ all of them:
    its public `update(grads)` instead);
 3. apply: the adapter's inner apply runs in every replica; or skip: a
    `SkipRecord` counts the step and records which variables' gradients were
-   not finite (worked out only on skipped steps, so applied steps pay
-   nothing for it).
+   not finite (worked out only on skipped steps; applied steps pay only the
+   executor's small cost per op of a branch not taken, kept low by reading
+   the flags through the unscale's packs).
+
+The unscale, the check and the agreement are the fields of a `StepParts`,
+`FULL_STEP` for every wrapper, so that each can be replaced on its own (the
+benchmark measures each part's cost that way).
 
 `unscale_for_apply` is step 0 for adapters whose caller hands over scaled
 gradients. Variables that take their gradient as their new value (Keras'
@@ -26,6 +31,7 @@ its record: `tf_lossscale.xla_record`, `tf_lossscale.xla_checks`.
 """
 
 import contextlib
+from typing import Callable, NamedTuple
 
 import tensorflow as tf
 
@@ -56,6 +62,32 @@ def unscale_for_apply(grads, variables, scale):
     their value; `None` and `tf.IndexedSlices` entries keep their form."""
     return unscaling.unscale(
         grads, scale, keep=[takes_gradient_as_value(v) for v in variables])
+
+
+class StepParts(NamedTuple):
+    """The parts of a step that are plain functions, so that each can be
+    replaced on its own.
+
+    Every wrapper runs `FULL_STEP`. The benchmark's ablations
+    (`benchmarks/lsbench/ablations.py`) replace one part at a time to
+    measure what it costs, on the step users run.
+
+    Attributes:
+      unscale: `unscale(grads, variables, scale)`, step 0 for adapters whose
+        caller hands over scaled gradients (`unscale_for_apply`).
+      check: `check(grads)`, one replica's gradients -> scalar bool, True
+        when all are finite (`gradient_checks.all_finite`).
+      agree: `agree(check, grads)`, cross-replica context -> the scalar bool
+        every replica agrees on (`distribution.all_replicas_true`).
+    """
+    unscale: Callable
+    check: Callable
+    agree: Callable
+
+
+FULL_STEP = StepParts(unscale=unscale_for_apply,
+                      check=gradient_checks.all_finite,
+                      agree=distribution.all_replicas_true)
 
 
 class SkipRecord:
@@ -92,11 +124,14 @@ def _any_replica_nonfinite(grads, positions, size):
     i is not finite on any replica; False elsewhere."""
 
     def local_flags(local_grads):
-        finite = gradient_checks.finite_flags(list(local_grads))
-        by_position = dict(zip(positions, finite))
-        return tf.stack([
-            tf.logical_not(by_position[i]) if i in by_position
-            else tf.constant(False) for i in range(size)])
+        flags = gradient_checks.nonfinite_flags(list(local_grads))
+        if list(positions) == list(range(size)):
+            return flags
+        if not positions:
+            return tf.zeros([size], tf.bool)
+        return tf.tensor_scatter_nd_max(
+            tf.zeros([size], tf.int32), [[p] for p in positions],
+            tf.cast(flags, tf.int32)) > 0
 
     return distribution.any_replica_true(local_flags, grads)
 
@@ -128,24 +163,26 @@ def check_traceable(loss_scale):
     xla_record.check_watched(loss_scale)
 
 
-def update_loss_scale(loss_scale, grads):
+def update_loss_scale(loss_scale, grads, parts=None):
     """Cross-replica context: updates `loss_scale` from `grads` (unscaled,
     possibly per-replica) and returns `(update_op, should_apply)`.
 
     The built-in loss scales are driven by the all-replica flag directly,
     with `should_apply` ordered after their state check, update and policy;
-    a fixed scale that never skips computes no check at all.
+    a fixed scale that never skips computes no check at all. `parts`: the
+    `StepParts` whose check and agreement give that flag (`FULL_STEP`).
     """
+    parts = parts or FULL_STEP
     update_from_flag = getattr(loss_scale, "_update_from_all_finite", None)
     if update_from_flag is None:
         return loss_scale.update(grads)  # A user-defined LossScale.
     if not getattr(loss_scale, "_needs_finiteness", True):
         return update_from_flag(tf.constant(True))
-    return update_from_flag(distribution.all_replicas_finite(grads))
+    return update_from_flag(parts.agree(parts.check, grads))
 
 
 def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record,
-                  stats=None):
+                  stats=None, parts=None):
     """One step: update the scale, then apply in every replica or skip.
 
     May be called in a replica context (inside `strategy.run`, `fit`'s train
@@ -165,6 +202,7 @@ def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record,
         opted-in per-step gradient statistics of
         `tf_lossscale.step_gradient_stats`, written on every step, applied
         or skipped, from the gradients and the scale they ran with.
+      parts: the `StepParts` to run; None for `FULL_STEP`.
 
     Returns:
       None eagerly; in graphs an op that runs the whole step (TF1 callers
@@ -174,19 +212,20 @@ def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record,
     # back regrouped per replica, callables included.
     def cross_replica_step(grads, variables):
         return _apply_or_skip_cross_replica(
-            loss_scale, grads, variables, apply_fn, skip_record, stats)
+            loss_scale, grads, variables, apply_fn, skip_record, stats,
+            parts)
 
     return distribution.call_in_cross_replica_context(
         cross_replica_step, grads, variables)
 
 
 def _apply_or_skip_cross_replica(loss_scale, grads, variables, apply_fn,
-                                 skip_record, stats=None):
+                                 skip_record, stats=None, parts=None):
     # Before the update, which waits for them: the statistics are of the
     # scale the step ran with.
     stats_op = None if stats is None else stats.write(grads, loss_scale)
     with tf.control_dependencies([] if stats_op is None else [stats_op]):
-        update_op, should_apply = update_loss_scale(loss_scale, grads)
+        update_op, should_apply = update_loss_scale(loss_scale, grads, parts)
 
     def apply_in_every_replica():
         results = distribution.call_for_each_replica(apply_fn, grads,

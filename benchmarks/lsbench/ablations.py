@@ -1,0 +1,197 @@
+"""tf_lossscale's Keras 3 step with exactly one feature taken away.
+
+Each ablation is built on a seam the step really runs through, never on a
+method it might stop calling, and `tests/test_benchmark_ablations.py` traces
+each one and checks that it holds fewer of the ops it claims to remove than
+the full step. The difference in cost between the full step and an ablation
+is what that feature costs (`sections.fit_step`, `sections.xla_fit`,
+`sections.replicas`).
+
+| feature | seam | what the ablation does instead |
+|---|---|---|
+| the finiteness check | `StepParts.check` | reads a flag that is always True |
+| the unscale | `StepParts.unscale` | hands the scaled gradients on |
+| the replica agreement | `StepParts.agree` | replica 0's flag decides |
+| the overflow record | `LossScaleOptimizer._skip_record` | records nothing |
+| the state check and policies | `DynamicLossScale._check_state`, `_apply_failure_policy` | checks nothing, no policy |
+| the XLA record | `DynamicLossScale._xla_events` | the rule alone: no record, no host read |
+
+The ablated steps are wrong on purpose (they apply non-finite steps, scaled
+gradients, ...): they exist to be timed.
+"""
+
+import contextlib
+from typing import Callable, NamedTuple
+
+import keras
+import tensorflow as tf
+
+import tf_lossscale
+from lsbench import gradient_sets
+from lsbench import op_counts
+from tf_lossscale import distribution
+from tf_lossscale import loss_scaled_step
+
+
+def _no_unscale(grads, variables, scale):
+    del variables, scale
+    return list(grads)
+
+
+def _first_replica_decides(check, grads):
+    """Replica 0's flag, as Keras 3's own wrapper takes it: no all-reduce."""
+    strategy = distribution.strategy_in_use()
+    if strategy is None:
+        return check(grads)
+    flags = strategy.extended.call_for_each_replica(check, args=(grads,))
+    return strategy.experimental_local_results(flags)[0]
+
+
+class NoCheck(tf_lossscale.LossScaleOptimizer):
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # A flag that costs one read and, unlike a constant, cannot be
+        # folded away with the branch it decides. Set past Keras' attribute
+        # tracking: not state of the optimizer.
+        flag = tf.Variable(True, trainable=False, name="ablation_flag")
+        object.__setattr__(self, "_step_parts",
+                           loss_scaled_step.FULL_STEP._replace(
+                               check=lambda grads: flag.read_value()))
+
+
+class NoUnscale(tf_lossscale.LossScaleOptimizer):
+    _step_parts = loss_scaled_step.FULL_STEP._replace(unscale=_no_unscale)
+
+
+class NoAgreement(tf_lossscale.LossScaleOptimizer):
+    _step_parts = loss_scaled_step.FULL_STEP._replace(
+        agree=_first_replica_decides)
+
+
+class NoOverflowRecord(tf_lossscale.LossScaleOptimizer):
+    _skip_record = None  # In place of the wrapper's property.
+
+
+class UncheckedDynamicLossScale(tf_lossscale.DynamicLossScale):
+    """No state check and no failure policy (outside XLA)."""
+
+    def _check_state(self, state):
+        return None
+
+    def _apply_failure_policy(self, new_state, at_floor):
+        return []
+
+
+class _RuleOnly:
+    """In place of `xla_checks.StepEvents`: the rule, nothing recorded."""
+
+    record = None
+
+    def update(self, state, all_finite, valid, next_state, assign):
+        del valid
+        new_state, _ = next_state(state, all_finite)
+        assignments = assign(new_state)
+        with tf.control_dependencies(assignments):
+            should_apply = tf.identity(all_finite)
+        return tf.group(assignments), should_apply
+
+    def halted(self):
+        return None
+
+    def engaged(self):
+        return contextlib.nullcontext()
+
+    def act(self):
+        pass
+
+
+class UnrecordedDynamicLossScale(tf_lossscale.DynamicLossScale):
+    """Under XLA: the rule alone, without the record of failures and
+    warnings and without the host's read after each call."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._xla_events = _RuleOnly()
+
+
+def _with_loss_scale(loss_scale_class):
+    def make(inner_optimizer, **config):
+        return tf_lossscale.LossScaleOptimizer(
+            inner_optimizer, loss_scale=loss_scale_class(**config))
+    return make
+
+
+def full(inner_optimizer, **config):
+    """The full step: `tf_lossscale.LossScaleOptimizer` with a
+    `DynamicLossScale(**config)`."""
+    return tf_lossscale.LossScaleOptimizer(
+        inner_optimizer, loss_scale=tf_lossscale.DynamicLossScale(**config))
+
+
+def _wrapper(optimizer_class):
+    def make(inner_optimizer, **config):
+        return optimizer_class(
+            inner_optimizer, loss_scale=tf_lossscale.DynamicLossScale(**config))
+    return make
+
+
+class Ablation(NamedTuple):
+    """One feature taken away.
+
+    Attributes:
+      feature: what is taken away.
+      make: `make(inner_optimizer, **loss_scale_config)` -> the optimizer.
+      removes: op types of which the ablated step holds fewer than the full
+        one (where `where` says), each an op the feature adds.
+      where: "graph" (a `tf.function`), "xla" (`jit_compile=True`) or
+        "replicas" (under a strategy of several replicas: without one, the
+        agreement holds no op).
+    """
+    feature: str
+    make: Callable
+    removes: tuple
+    where: str = "graph"
+
+
+ABLATIONS = (
+    Ablation("the finiteness check", _wrapper(NoCheck),
+             ("Sum", "IsFinite", "All", "StatelessIf")),
+    Ablation("the unscale", _wrapper(NoUnscale), ("RealDiv",)),
+    Ablation("the overflow record", _wrapper(NoOverflowRecord),
+             ("IsFinite", "Cumsum", "AssignVariableOp")),
+    Ablation("the state check and policies",
+             _with_loss_scale(UncheckedDynamicLossScale), ("Assert", "If")),
+    Ablation("the XLA record", _with_loss_scale(UnrecordedDynamicLossScale),
+             ("ConcatV2", "StridedSlice", "If"), where="xla"),
+    Ablation("the replica agreement", _wrapper(NoAgreement),
+             ("AddN", "Equal"), where="replicas"),
+)
+
+
+def by_feature(feature):
+    for ablation in ABLATIONS:
+        if ablation.feature == feature:
+            return ablation
+    raise KeyError(feature)
+
+
+def traced_ops(make, shapes, where="graph", strategy=None, **config):
+    """The op types of the step of `make(SGD, **config)` over variables of
+    `shapes`, traced as `where` says (in `strategy.run` when given)."""
+    scope = strategy.scope() if strategy else contextlib.nullcontext()
+    with scope:
+        optimizer = make(keras.optimizers.SGD(1e-9), **config)
+        variables = gradient_sets.variables(shapes)
+    return op_counts.traced_apply(
+        optimizer, gradient_sets.scaled_gradients(shapes), variables,
+        jit_compile=where == "xla", strategy=strategy)
+
+
+def ops_removed(ablation, shapes, strategy=None, **config):
+    """`(ops of the full step, ops the ablation removes)`, in all."""
+    full_ops = traced_ops(full, shapes, ablation.where, strategy, **config)
+    ablated = traced_ops(ablation.make, shapes, ablation.where, strategy,
+                         **config)
+    return sum(full_ops.values()), sum(full_ops.values()) - sum(
+        ablated.values())
