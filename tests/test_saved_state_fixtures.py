@@ -30,7 +30,9 @@ FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
 # v0_1: written by the 0.1.0 release. v0_2: written by the 0.2.0 release
 # (commit 2f3d353), whose checkpoints hold the inner optimizer's state under
 # the plain names too, before 0.3.0 added the wrapper's `_variables` to them.
-VERSIONS = ("v0_1", "v0_2")
+# v0_3: written by the 0.3.0 release (commit c4ddea4, TF 2.21.0, Keras
+# 3.15.1), before 0.4.0 moved the loss scales into modules of their own.
+VERSIONS = ("v0_1", "v0_2", "v0_3")
 
 
 def _expected(version):
