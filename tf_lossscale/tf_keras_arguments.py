@@ -40,10 +40,8 @@ def check_inner(inner_optimizer, optimizer_bases, loss_scale_optimizer_base):
     if isinstance(inner_optimizer, loss_scale_optimizer_base):
         raise validation.DoubleScalingError(
             "LossScaleOptimizer cannot wrap another LossScaleOptimizer, but "
-            f"got: inner_optimizer={validation.summary(inner_optimizer)}; "
-            "wrapping it again "
-            "would scale the "
-            "loss twice")
+            f"got: {validation.summary(inner_optimizer)} as inner_optimizer; "
+            "wrapping it again would scale the loss twice")
     if not isinstance(inner_optimizer, optimizer_bases):
         raise TypeError(
             '"inner_optimizer" must be an instance of '
