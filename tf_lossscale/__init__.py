@@ -61,7 +61,7 @@ if _tf_keras_now:
     from tf_lossscale import tf_keras_optimizer  # pylint: disable=unused-import
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "DynamicLossScale",
