@@ -60,6 +60,7 @@ from tf_lossscale import loss_scaled_step
 from tf_lossscale import optimizer_arguments
 from tf_lossscale import optimizer_protocol
 from tf_lossscale import optimizer_saving
+from tf_lossscale import private_api
 from tf_lossscale import step_arguments
 from tf_lossscale import xla_checks
 
@@ -104,7 +105,8 @@ def _for_tf_keras(inner_optimizer):
 
 
 @keras.saving.register_keras_serializable(package="tf_lossscale")
-class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
+class LossScaleOptimizer(private_api.ChoosesCheckpointChildren,
+                         optimizer_arguments.InnerHyperparameters,
                          optimizer_protocol.ScaledLossProtocol,
                          keras.optimizers.LossScaleOptimizer,
                          metaclass=_OneNameForEveryKeras):
@@ -161,15 +163,14 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
             loss_scale, dynamic, initial_scale, dynamic_growth_steps)
         # Keras' own LossScaleOptimizer.__init__ creates its scale variables;
         # ours come from the LossScale, so that constructor is skipped.
-        keras.optimizers.Optimizer.__init__(  # pylint: disable=non-parent-init-called
-            self, learning_rate=0.0, name=name)
+        private_api.init_without_keras_loss_scale_optimizer(self, name)
         self.inner_optimizer = inner_optimizer
         optimizer_arguments.claim(inner_optimizer, self)
         # Checkpoints hold the loss scale under `loss_scale`, where tf-keras
         # put it, not under the attribute's name that automatic tracking of
         # `self._loss_scale = ...` would use.
         object.__setattr__(self, "_loss_scale", resolved)
-        self._track_trackable(resolved, name="loss_scale")
+        private_api.track(self, resolved, "loss_scale")
         self._reset_protocol()
         with keras.name_scope(self.name):
             self._skipped_steps = keras.Variable(
@@ -223,7 +224,7 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
             return []
         flags = self._last_nonfinite.numpy()
         return [variable.path for variable, flag
-                in zip(self._trainable_variables, flags) if flag]
+                in zip(private_api.keras_built_for(self), flags) if flag]
 
     # Applying.
 
@@ -254,8 +255,8 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
             raise ValueError(
                 "The first apply needs trainable_variables, or call "
                 "optimizer.build(variables) first")
-        variables = (self._trainable_variables if trainable_variables is None
-                     else trainable_variables)
+        variables = (private_api.keras_built_for(self)
+                     if trainable_variables is None else trainable_variables)
         grads = step_arguments.check(grads, variables)
         loss_scaled_step.check_traceable(self._loss_scale)
         if not self.built:
@@ -276,8 +277,8 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
         return loss_scaled_step.SkipRecord(
             self._skipped_steps, self._last_nonfinite,
             lambda variables: [
-                self._get_variable_index(v)
-                for v in variables or self._trainable_variables])
+                private_api.keras_variable_index(self, v)
+                for v in variables or private_api.keras_built_for(self)])
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise NotImplementedError(
@@ -299,10 +300,9 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
     def load_own_variables(self, store):
         optimizer_saving.load_own_variables(self, store)
 
-    def _trackable_children(self, save_type="checkpoint", **kwargs):
+    def _checkpoint_children(self, found, save_type, **kwargs):
         return optimizer_saving.checkpoint_children(
-            self, super()._trackable_children(save_type, **kwargs),
-            save_type, **kwargs)
+            self, found, save_type, **kwargs)
 
     def get_config(self):
         return optimizer_protocol.wrapper_config(

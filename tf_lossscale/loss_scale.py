@@ -104,6 +104,7 @@ import tensorflow as tf
 from tf_lossscale import distribution
 from tf_lossscale import eager_lock
 from tf_lossscale import failure_policy
+from tf_lossscale import private_api
 from tf_lossscale import scale_reading
 from tf_lossscale import validation
 from tf_lossscale import xla_checks
@@ -146,7 +147,7 @@ def _update_from_grads(loss_scale, grads):
         gated=tf.compat.v1.executing_eagerly_outside_functions())
 
 
-class LossScale(scale_reading.ReadsAsTensor, tf.__internal__.tracking.Trackable,
+class LossScale(scale_reading.ReadsAsTensor, private_api.Trackable,
                 metaclass=abc.ABCMeta):
     """Abstract base of loss scales; see the module docstring for the contract.
 
@@ -227,7 +228,7 @@ class LossScale(scale_reading.ReadsAsTensor, tf.__internal__.tracking.Trackable,
             aggregation=tf.VariableAggregation.NONE,
         )
         self._state_variables[name] = variable
-        self._track_trackable(variable, name=name)
+        private_api.track(self, variable, name)
         return variable
 
 

@@ -37,6 +37,7 @@ import tensorflow as tf
 
 from tf_lossscale import distribution
 from tf_lossscale import loss_scaled_step
+from tf_lossscale import private_api
 from tf_lossscale import serialization
 from tf_lossscale import step_arguments
 from tf_lossscale import unscaling
@@ -62,7 +63,7 @@ def _resolve_loss_scale(identifier):
 def _state_variables(loss_scale):
     if _is_tensorflow_loss_scale(loss_scale):
         # TensorFlow's loss scales list their variables nowhere public.
-        return list(loss_scale._weights.values())  # pylint: disable=protected-access
+        return private_api.tf1_loss_scale_variables(loss_scale)
     return list(loss_scale.variables)
 
 
@@ -102,11 +103,11 @@ class MixedPrecisionLossScaleOptimizer(tf.compat.v1.train.Optimizer):
             raise validation.DoubleScalingError(
                 "opt already applies loss scaling; wrap the optimizer inside "
                 "it instead, or the loss would be scaled twice")
-        super().__init__(opt._use_locking, opt.get_name())  # pylint: disable=protected-access
+        super().__init__(private_api.tf1_use_locking(opt), opt.get_name())
         self._optimizer = opt
         self._loss_scale = _resolve_loss_scale(loss_scale)
-        self._track_trackable(opt, "base_optimizer")
-        self._track_trackable(self._loss_scale, "loss_scale")
+        private_api.track(self, opt, "base_optimizer")
+        private_api.track(self, self._loss_scale, "loss_scale")
 
     @property
     def inner_optimizer(self):
