@@ -54,7 +54,6 @@ import sys
 import keras
 import tensorflow as tf
 
-from tf_lossscale import distribution
 from tf_lossscale import legacy_configs
 from tf_lossscale import loss_scaled_step
 from tf_lossscale import optimizer_arguments
@@ -62,6 +61,7 @@ from tf_lossscale import optimizer_protocol
 from tf_lossscale import optimizer_saving
 from tf_lossscale import private_api
 from tf_lossscale import step_arguments
+from tf_lossscale import wrapper_core
 from tf_lossscale import xla_checks
 
 
@@ -214,17 +214,17 @@ class LossScaleOptimizer(private_api.ChoosesCheckpointChildren,
         """Paths of the variables whose gradients held NaN or +-Inf on the
         most recent skipped step, on any replica or worker.
 
-        A list of `variable.path` strings in the order of the variables the
-        optimizer was built with; `[]` before the first skipped step (or
+        A list of `variable.path` strings (the tf-keras wrapper returns the
+        same: `tf_lossscale.wrapper_core.nonfinite_paths`) in the order of
+        the variables the optimizer was built with; `[]` before the first skipped step (or
         before the optimizer is built). Steps that are applied leave it
         unchanged, and computing it costs nothing on them: the flags are
         worked out only when a step is skipped.
         """
         if not self.built:
             return []
-        flags = self._last_nonfinite.numpy()
-        return [variable.path for variable, flag
-                in zip(private_api.keras_built_for(self), flags) if flag]
+        return wrapper_core.nonfinite_paths(
+            private_api.keras_built_for(self), self._last_nonfinite)
 
     # Applying.
 
@@ -242,13 +242,13 @@ class LossScaleOptimizer(private_api.ChoosesCheckpointChildren,
         """Applies `grads` unless the loss scale says this step overflowed.
 
         Must be called in a replica context (as `fit` and `strategy.run` do,
-        or with no strategy at all). `trainable_variables` defaults to those
+        or with no strategy at all): else `validation.ReplicaContextError`
+        (a ValueError and a RuntimeError). `trainable_variables` defaults to those
         the optimizer was built with. Gradients and variables are checked
         first (`tf_lossscale.step_arguments`): a refused call changes
         nothing, the optimizer's build included.
         """
-        optimizer_protocol.check_replica_context()
-        distribution.check_supported()
+        wrapper_core.open_step()
         if trainable_variables is not None:
             trainable_variables = list(trainable_variables)
         elif not self.built:

@@ -35,13 +35,13 @@ What differs from TensorFlow's wrapper:
 
 import tensorflow as tf
 
-from tf_lossscale import distribution
 from tf_lossscale import loss_scaled_step
 from tf_lossscale import private_api
 from tf_lossscale import serialization
 from tf_lossscale import step_arguments
 from tf_lossscale import unscaling
 from tf_lossscale import validation
+from tf_lossscale import wrapper_core
 
 _GATE_OP = tf.compat.v1.train.Optimizer.GATE_OP
 
@@ -156,21 +156,16 @@ class MixedPrecisionLossScaleOptimizer(tf.compat.v1.train.Optimizer):
           skips; eagerly, None (the step has run).
 
         Raises:
-          ValueError: called in cross-replica context (under a strategy's
-            scope, outside its `run`), or under a strategy loss scaling cannot
-            support.
+          validation.ReplicaContextError: (a ValueError and a RuntimeError)
+            called in cross-replica context (under a strategy's scope,
+            outside its `run`).
+          ValueError: under a strategy loss scaling cannot support.
           TypeError, ValueError: `grads_and_vars` refused by
             `tf_lossscale.step_arguments` (not pairs, none at all, a
             gradient that is not floating-point or does not fit its
             variable, every gradient None), before anything changes.
         """
-        if distribution.strategy_in_use() is not None and (
-                tf.distribute.in_cross_replica_context()):
-            raise ValueError(
-                "apply_gradients must be called in a replica context: inside "
-                "strategy.run (or the strategy's call_for_each_replica), not "
-                "directly under strategy.scope()")
-        distribution.check_supported()
+        wrapper_core.open_step()
         grads, variables = step_arguments.checked_pairs(grads_and_vars)
 
         name = name or self.get_name()

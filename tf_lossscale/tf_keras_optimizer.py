@@ -59,6 +59,7 @@ from tf_lossscale import optimizer_protocol
 from tf_lossscale import private_api
 from tf_lossscale import step_arguments
 from tf_lossscale import tf_keras_arguments
+from tf_lossscale import wrapper_core
 from tf_lossscale import xla_checks
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
@@ -205,14 +206,18 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
         self.set_weights([store[str(i)] for i in range(len(store.keys()))])
 
     def last_nonfinite_variables(self):
-        """Names of the variables whose gradients held NaN or +-Inf on the
+        """Paths of the variables whose gradients held NaN or +-Inf on the
         most recent skipped step, on any replica or worker, in the order the
-        optimizer was built with; `[]` before the first skipped step."""
-        if self._last_nonfinite is None:
-            return []
-        flags = self._last_nonfinite.numpy()
-        return [variable.name for variable, flag
-                in zip(self._built_for, flags) if flag]
+        optimizer was built with; `[]` before the first skipped step.
+
+        A path is the variable's name without its `:0` suffix
+        (`"dense/kernel"`), as the Keras 3 wrapper returns `variable.path`:
+        the same strings for the same functional model
+        (`tf_lossscale.wrapper_core.nonfinite_paths`). Before 0.4 these were
+        the names, `"dense/kernel:0"`.
+        """
+        return wrapper_core.nonfinite_paths(self._built_for,
+                                            self._last_nonfinite)
 
     # Applying.
 
@@ -222,7 +227,8 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
         Gradients are unscaled (TF 2.x protocol: `get_unscaled_gradients`,
         as `fit` and `minimize` do), or scaled after `scale_loss`. Those of
         a loss that was never scaled are applied as given, with tf-keras'
-        warning. Must be called in a replica context. As in tf-keras, the
+        warning. Must be called in a replica context: else
+        `validation.ReplicaContextError` (a ValueError and a RuntimeError). As in tf-keras, the
         gradients are aggregated across replicas first (the inner
         optimizer's aggregation, custom `gradient_aggregator` included) and
         the aggregate is what is checked and applied; `kwargs` are the inner
@@ -230,8 +236,7 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
         `skip_gradients_aggregation`).
         """
         self.check_unscaled()
-        optimizer_protocol.check_replica_context()
-        tf_keras_arguments.check_strategy()
+        wrapper_core.open_step(tf_keras_arguments.check_strategy)
         loss_scaled_step.check_traceable(self._loss_scale)
         tf_keras_arguments.warn_if_not_scaled(
             self._loss_scaled, self._caller_unscales)
