@@ -65,6 +65,7 @@ from tf_lossscale import distribution
 from tf_lossscale import failure_policy
 from tf_lossscale import private_api
 from tf_lossscale import scale_reading
+from tf_lossscale import validation
 
 # Moved in 0.4.0; still importable from here (`__getattr__`, imported on
 # first use: those modules import this one).
