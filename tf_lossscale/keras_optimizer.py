@@ -274,11 +274,10 @@ class LossScaleOptimizer(private_api.ChoosesCheckpointChildren,
 
     @property
     def _skip_record(self):
-        return loss_scaled_step.SkipRecord(
+        return wrapper_core.skip_record(
             self._skipped_steps, self._last_nonfinite,
-            lambda variables: [
-                private_api.keras_variable_index(self, v)
-                for v in variables or private_api.keras_built_for(self)])
+            private_api.keras_built_for(self),
+            lambda v: private_api.keras_variable_index(self, v))
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise NotImplementedError(

@@ -261,9 +261,9 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
 
     def _skip_record(self):
         positions = {_key(v): i for i, v in enumerate(self._built_for)}
-        return loss_scaled_step.SkipRecord(
-            self._skipped_steps, self._last_nonfinite,
-            lambda variables: [positions[_key(v)] for v in variables])
+        return wrapper_core.skip_record(
+            self._skipped_steps, self._last_nonfinite, self._built_for,
+            lambda v: positions[_key(v)])
 
     # Configs.
 

@@ -5,6 +5,8 @@ opening of a step, and the overflow report.
 * `open_step()`: the checks before anything else in `apply_gradients`: a
   replica context (`validation.ReplicaContextError`, one message for every
   wrapper), then a strategy loss scaling can serve;
+* `skip_record(...)`: what a skipped step writes (`loss_scaled_step.
+  SkipRecord`), built the same way by both Keras wrappers;
 * `nonfinite_paths(variables, flags)`: what `last_nonfinite_variables()`
   returns, the same kind of string from every Keras: a variable's path,
   `variable.path` under Keras 3, and under tf-keras its name without the
@@ -17,6 +19,7 @@ import re
 import tensorflow as tf
 
 from tf_lossscale import distribution
+from tf_lossscale import loss_scaled_step
 from tf_lossscale import validation
 
 _OUTPUT_SUFFIX = re.compile(r":\d+$")
@@ -48,6 +51,22 @@ def open_step(check_strategy=distribution.check_supported):
     """
     check_replica_context()
     check_strategy()
+
+
+def skip_record(skipped_steps, flags, built_for, position_of):
+    """The `loss_scaled_step.SkipRecord` of a Keras wrapper.
+
+    Args:
+      skipped_steps: the wrapper's int64 count of skipped steps.
+      flags: its int32 vector of overflow flags, one per variable of
+        `built_for`.
+      built_for: the variables the wrapper was built with, in order.
+      position_of: a variable's position in `built_for`, for whichever
+        replica's component a step hands over.
+    """
+    return loss_scaled_step.SkipRecord(
+        skipped_steps, flags,
+        lambda variables: [position_of(v) for v in variables or built_for])
 
 
 def variable_path(variable):
