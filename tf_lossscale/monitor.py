@@ -76,9 +76,11 @@ from tf_lossscale import step_gradient_stats
 from tf_lossscale import validation
 from tf_lossscale import xla_checks_callback
 
-# Where they were before 0.4: the burst limits, and the XLA checks callback.
+# The burst limits of the verbose lines (module docstring), read when
+# training begins.
 BURST_GAP_STEPS = skip_reporting.BURST_GAP_STEPS
 BURST_SUMMARY_SKIPS = skip_reporting.BURST_SUMMARY_SKIPS
+# Where it was before 0.4.
 XlaChecks = xla_checks_callback.XlaChecks
 
 
@@ -117,7 +119,8 @@ class _Monitor:
             self._watch, self.model, optimizer, act=False)
         self._step = 0
         self._epoch_first_step = 0
-        self._reporter = skip_reporting.SkipReporter(optimizer)
+        self._reporter = skip_reporting.SkipReporter(
+            optimizer, BURST_GAP_STEPS, BURST_SUMMARY_SKIPS)
         if self.gradient_stats:
             self._attach_stats()
 

@@ -54,10 +54,16 @@ class SkipReporter:
     Args:
       optimizer: the tf_lossscale wrapper, asked which variables overflowed
         (`last_nonfinite_variables()`, one small read) on each printed skip.
+      gap_steps: skips at most this many steps apart belong to one burst.
+      summary_skips: a burst still going on is summarized after this many
+        unreported skips.
     """
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, gap_steps=BURST_GAP_STEPS,
+                 summary_skips=BURST_SUMMARY_SKIPS):
         self._optimizer = optimizer
+        self._gap_steps = gap_steps
+        self._summary_skips = summary_skips
         self._burst = None
 
     def report(self, new_skips, first_step, last_step, scale_before,
@@ -67,7 +73,7 @@ class SkipReporter:
         `scale_before` to `scale_after`."""
         burst = self._burst
         if burst is not None and (
-                first_step - burst.last_step > BURST_GAP_STEPS + 1):
+                first_step - burst.last_step > self._gap_steps + 1):
             self.end()
             burst = None
         if not new_skips:
@@ -78,7 +84,7 @@ class SkipReporter:
             self._burst = _Burst(last_step, scale_after)
             return
         burst.add(new_skips, first_step, last_step, scale_before, scale_after)
-        if burst.count >= BURST_SUMMARY_SKIPS:
+        if burst.count >= self._summary_skips:
             print("\n" + burst.summary())
             self._burst = _Burst(last_step, scale_after)
 
