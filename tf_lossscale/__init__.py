@@ -47,11 +47,11 @@ from tf_lossscale import compat
 from tf_lossscale.diagnosis import diagnose
 from tf_lossscale.diagnosis_report import Float16Diagnosis
 from tf_lossscale.keras_optimizer import LossScaleOptimizer
-from tf_lossscale.loss_scale import DynamicLossScale
+from tf_lossscale.dynamic_loss_scale import DynamicLossScale
 from tf_lossscale.loss_scale import FixedLossScale
 from tf_lossscale.loss_scale import LossScale
 from tf_lossscale.monitor import LossScaleMonitor
-from tf_lossscale.monitor import XlaChecks
+from tf_lossscale.xla_checks_callback import XlaChecks
 from tf_lossscale.serialization import deserialize
 from tf_lossscale.serialization import get
 from tf_lossscale.serialization import serialize

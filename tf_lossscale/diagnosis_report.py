@@ -26,6 +26,7 @@ import math
 
 import numpy as np
 
+from tf_lossscale import diagnosis_advice as advice_lib
 from tf_lossscale import diagnosis_text as text
 from tf_lossscale import gradient_stats
 
@@ -34,9 +35,7 @@ from tf_lossscale import gradient_stats
 # bottom than at its top.
 OVERFLOW_TOLERANCE = 0.05
 UNDERFLOW_TOLERANCE = 0.01
-# Outputs within this many powers of 2 of 65504 are too close: another
-# batch may overflow.
-ACTIVATION_MARGIN_LOG2 = 1.0
+ACTIVATION_MARGIN_LOG2 = advice_lib.ACTIVATION_MARGIN_LOG2
 
 
 def headroom_log2(largest):
@@ -80,8 +79,11 @@ class Float16Diagnosis:
         self.first_nonfinite_layer = next(
             (row["name"] for row in self._layers
              if row["nonfinite_batches"]), None)
-        self._top = self._top_index()
-        self._bottom = self._bottom_index()
+        self._top = advice_lib.top_index(
+            self._overflow, self._measured_batches(),
+            self._overflow_tolerance)
+        self._bottom = advice_lib.bottom_index(
+            self._top, self._variables, self._tolerance)
         self.loss_scale_range = (
             None if self._top is None else
             (self._scales[self._bottom], self._scales[self._top]))
@@ -89,7 +91,9 @@ class Float16Diagnosis:
             row["name"] for row in self._variables
             if row["underflow_share"] is not None
             and row["underflow_share"][0] > self._tolerance]
-        self._reasons = self._float32_reasons()
+        self._reasons = advice_lib.float32_reasons(
+            self._layers, self._variables, self._scales, self._top,
+            self._measured_batches(), self._tolerance)
         self.keep_in_float32 = list(self._reasons)
 
     # Figures.
@@ -138,82 +142,6 @@ class Float16Diagnosis:
                     int(n) for n in
                     np.asarray(figures["variable_nonfinite_batches"])[
                         :, index]])
-
-    def _top_index(self):
-        """The last of the probed scales, from the lowest up, at which at
-        most `overflow_tolerance` of the batches overflowed (the batches
-        whose forward pass was finite); None if none."""
-        measured = self._measured_batches()
-        if measured <= 0:
-            return None
-        top = None
-        for index, batches in enumerate(self._overflow):
-            if batches > self._overflow_tolerance * measured:
-                break
-            top = index
-        return top
-
-    def _float16_shares(self):
-        return [row["underflow_share"] for row in self._variables
-                if row["underflow_share"] is not None]
-
-    def _bottom_index(self):
-        if self._top is None:
-            return None
-        shares = self._float16_shares()
-        for index in range(self._top + 1):
-            if all(share[index] <= share[self._top] + self._tolerance
-                   for share in shares):
-                return index
-        return self._top
-
-    def _float32_reasons(self):
-        """{layer name: why it should compute in float32}, in layer order."""
-        reasons = {}
-        for name, reason in (self._output_reasons() + self._underflow_reasons()
-                             + self._overflow_reasons()):
-            reasons.setdefault(name, reason)
-        return reasons
-
-    def _output_reasons(self):
-        reasons = []
-        for row in self._layers:
-            headroom = row["activation_headroom_log2"]
-            if headroom is not None and headroom < ACTIVATION_MARGIN_LOG2:
-                where = "above" if headroom < 0 else "close to"
-                reasons.append((row["name"], (
-                    "its outputs reach "
-                    f"{text.number(row['activation_max_float32'])} ({where} "
-                    "float16's 65504)")))
-        return reasons
-
-    def _underflow_reasons(self):
-        if self._top is None:
-            return []
-        top = self._top
-        return [(row["layer"], (
-            f"{text.share(row['underflow_share'][top])} of {row['name']}'s "
-            f"gradient underflows even at {text.pow2(self._scales[top])}"))
-                for row in self._variables
-                if row["underflow_share"] is not None
-                and row["underflow_share"][top] > self._tolerance]
-
-    def _overflow_reasons(self):
-        """When even the lowest scale overflows: the float16 layers whose
-        gradients (of outputs or variables) overflow there."""
-        if self._top is not None or self._measured_batches() <= 0:
-            return []
-        lowest = self._scales[0]
-        reasons = []
-        for row in self._layers + self._variables:
-            largest = row["gradient_max"]
-            if row["compute_dtype"] == "float16" and largest and (
-                    largest * lowest > gradient_stats.FLOAT16_MAX):
-                reasons.append((row.get("layer", row["name"]), (
-                    f"gradients reach {text.number(largest * lowest)} at "
-                    f"loss scale {text.pow2(lowest)}, above float16's "
-                    "65504")))
-        return reasons
 
     def overflow_bound_log2(self):
         """log2 of the largest loss scale the float16 gradients measured in

@@ -29,6 +29,7 @@ no single step on which all replicas could agree.
 import tensorflow as tf
 
 from tf_lossscale import gradient_checks
+from tf_lossscale import private_api
 
 _UNSUPPORTED_STRATEGIES = (
     tf.distribute.experimental.ParameterServerStrategy,
@@ -111,7 +112,7 @@ def call_for_each_replica(fn, *args):
     strategy = strategy_in_use()
     if strategy is None:
         return fn(*args)
-    return strategy.extended.call_for_each_replica(fn, args=args)
+    return private_api.call_for_each_replica(strategy, fn, args)
 
 
 def local_results(value):
@@ -128,8 +129,8 @@ def local_results(value):
 def _replica_sum(strategy, flags_fn, args):
     """Each replica's `flags_fn(*args)`, as float32, summed over all replicas
     and workers with one all-reduce."""
-    per_replica = strategy.extended.call_for_each_replica(
-        lambda *a: tf.cast(flags_fn(*a), tf.float32), args=args)
+    per_replica = private_api.call_for_each_replica(
+        strategy, lambda *a: tf.cast(flags_fn(*a), tf.float32), args)
     return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
 

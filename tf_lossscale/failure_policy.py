@@ -24,7 +24,7 @@ load, and are refused at the first step, as everywhere else.
 
 The failure policy, after the state has moved: "warn" prints one line to
 stderr, "raise" fails the step, and `max_consecutive_skips` fails it when
-that many steps in a row were non-finite (see `tf_lossscale.loss_scale`).
+that many steps in a row were non-finite (see `tf_lossscale.dynamic_rule`).
 
 Eagerly these raise or print at once; in graphs they are ops (an assertion,
 a `tf.print`). Under XLA, where neither compiles, the step records what they

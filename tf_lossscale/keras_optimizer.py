@@ -54,13 +54,14 @@ import sys
 import keras
 import tensorflow as tf
 
-from tf_lossscale import distribution
 from tf_lossscale import legacy_configs
 from tf_lossscale import loss_scaled_step
 from tf_lossscale import optimizer_arguments
 from tf_lossscale import optimizer_protocol
 from tf_lossscale import optimizer_saving
+from tf_lossscale import private_api
 from tf_lossscale import step_arguments
+from tf_lossscale import wrapper_core
 from tf_lossscale import xla_checks
 
 
@@ -104,7 +105,8 @@ def _for_tf_keras(inner_optimizer):
 
 
 @keras.saving.register_keras_serializable(package="tf_lossscale")
-class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
+class LossScaleOptimizer(private_api.ChoosesCheckpointChildren,
+                         optimizer_arguments.InnerHyperparameters,
                          optimizer_protocol.ScaledLossProtocol,
                          keras.optimizers.LossScaleOptimizer,
                          metaclass=_OneNameForEveryKeras):
@@ -161,15 +163,14 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
             loss_scale, dynamic, initial_scale, dynamic_growth_steps)
         # Keras' own LossScaleOptimizer.__init__ creates its scale variables;
         # ours come from the LossScale, so that constructor is skipped.
-        keras.optimizers.Optimizer.__init__(  # pylint: disable=non-parent-init-called
-            self, learning_rate=0.0, name=name)
+        private_api.init_without_keras_loss_scale_optimizer(self, name)
         self.inner_optimizer = inner_optimizer
         optimizer_arguments.claim(inner_optimizer, self)
         # Checkpoints hold the loss scale under `loss_scale`, where tf-keras
         # put it, not under the attribute's name that automatic tracking of
         # `self._loss_scale = ...` would use.
         object.__setattr__(self, "_loss_scale", resolved)
-        self._track_trackable(resolved, name="loss_scale")
+        private_api.track(self, resolved, "loss_scale")
         self._reset_protocol()
         with keras.name_scope(self.name):
             self._skipped_steps = keras.Variable(
@@ -213,17 +214,17 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
         """Paths of the variables whose gradients held NaN or +-Inf on the
         most recent skipped step, on any replica or worker.
 
-        A list of `variable.path` strings in the order of the variables the
-        optimizer was built with; `[]` before the first skipped step (or
+        A list of `variable.path` strings (the tf-keras wrapper returns the
+        same: `tf_lossscale.wrapper_core.nonfinite_paths`) in the order of
+        the variables the optimizer was built with; `[]` before the first skipped step (or
         before the optimizer is built). Steps that are applied leave it
         unchanged, and computing it costs nothing on them: the flags are
         worked out only when a step is skipped.
         """
         if not self.built:
             return []
-        flags = self._last_nonfinite.numpy()
-        return [variable.path for variable, flag
-                in zip(self._trainable_variables, flags) if flag]
+        return wrapper_core.nonfinite_paths(
+            private_api.keras_built_for(self), self._last_nonfinite)
 
     # Applying.
 
@@ -241,21 +242,21 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
         """Applies `grads` unless the loss scale says this step overflowed.
 
         Must be called in a replica context (as `fit` and `strategy.run` do,
-        or with no strategy at all). `trainable_variables` defaults to those
+        or with no strategy at all): else `validation.ReplicaContextError`
+        (a ValueError and a RuntimeError). `trainable_variables` defaults to those
         the optimizer was built with. Gradients and variables are checked
         first (`tf_lossscale.step_arguments`): a refused call changes
         nothing, the optimizer's build included.
         """
-        optimizer_protocol.check_replica_context()
-        distribution.check_supported()
+        wrapper_core.open_step()
         if trainable_variables is not None:
             trainable_variables = list(trainable_variables)
         elif not self.built:
             raise ValueError(
                 "The first apply needs trainable_variables, or call "
                 "optimizer.build(variables) first")
-        variables = (self._trainable_variables if trainable_variables is None
-                     else trainable_variables)
+        variables = (private_api.keras_built_for(self)
+                     if trainable_variables is None else trainable_variables)
         grads = step_arguments.check(grads, variables)
         loss_scaled_step.check_traceable(self._loss_scale)
         if not self.built:
@@ -273,11 +274,10 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
 
     @property
     def _skip_record(self):
-        return loss_scaled_step.SkipRecord(
+        return wrapper_core.skip_record(
             self._skipped_steps, self._last_nonfinite,
-            lambda variables: [
-                self._get_variable_index(v)
-                for v in variables or self._trainable_variables])
+            private_api.keras_built_for(self),
+            lambda v: private_api.keras_variable_index(self, v))
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise NotImplementedError(
@@ -299,10 +299,9 @@ class LossScaleOptimizer(optimizer_arguments.InnerHyperparameters,
     def load_own_variables(self, store):
         optimizer_saving.load_own_variables(self, store)
 
-    def _trackable_children(self, save_type="checkpoint", **kwargs):
+    def _checkpoint_children(self, found, save_type, **kwargs):
         return optimizer_saving.checkpoint_children(
-            self, super()._trackable_children(save_type, **kwargs),
-            save_type, **kwargs)
+            self, found, save_type, **kwargs)
 
     def get_config(self):
         return optimizer_protocol.wrapper_config(

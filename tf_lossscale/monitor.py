@@ -1,4 +1,5 @@
-"""`LossScaleMonitor` and `XlaChecks`: the Keras callbacks.
+"""`LossScaleMonitor`: the Keras callback that logs the loss scale (and
+`XlaChecks`, from `tf_lossscale.xla_checks_callback`).
 
 `LossScaleMonitor` puts the loss scale and the skipped steps in Keras' logs:
 
@@ -65,205 +66,22 @@ and `XlaChecks()` are ones; with `tf_keras` imported directly, use
 classes are created on first use, so Keras 3 users never import tf_keras.
 """
 
-import contextlib
-import functools
-
 import keras
 
 from tf_lossscale import float16_layers
 from tf_lossscale import keras_compat
 from tf_lossscale import optimizer_protocol
+from tf_lossscale import skip_reporting
 from tf_lossscale import step_gradient_stats
 from tf_lossscale import validation
-from tf_lossscale import xla_checks
+from tf_lossscale import xla_checks_callback
 
-# Skips at most this many steps apart belong to one burst.
-BURST_GAP_STEPS = 10
-# A burst still going on is summarized after this many unreported skips.
-BURST_SUMMARY_SKIPS = 100
-# Variables named in a line; a large model can have hundreds overflow at once.
-_MAX_NAMED_VARIABLES = 5
-
-
-def _check_optimizer(optimizer):
-    if isinstance(optimizer, optimizer_protocol.ScaledLossProtocol):
-        return
-    kind = type(optimizer)
-    hint = ""
-    if hasattr(optimizer, "inner_optimizer"):  # Keras 3 or tf-keras own.
-        inner = type(optimizer.inner_optimizer).__name__
-        hint = (f" (wrapping {inner}); under the mixed_float16 policy Keras "
-                "wraps any other optimizer in its own LossScaleOptimizer, so "
-                "pass optimizer=tf_lossscale.LossScaleOptimizer(...) to "
-                "compile")
-    raise TypeError(
-        "LossScaleMonitor needs a model compiled with a "
-        "tf_lossscale.LossScaleOptimizer, but model.optimizer is "
-        f"{validation.summary(optimizer)} of type "
-        f"{kind.__module__}.{kind.__qualname__}{hint}")
-
-
-def _steps(first, last):
-    return f"step {last}" if first == last else f"steps {first}-{last}"
-
-
-def _variable_list(paths):
-    named = ", ".join(paths[:_MAX_NAMED_VARIABLES])
-    if len(paths) > _MAX_NAMED_VARIABLES:
-        named += f" and {len(paths) - _MAX_NAMED_VARIABLES} more"
-    return named or "none recorded"
-
-
-class _Burst:
-    """Skips since the last printed line of the current burst."""
-
-    def __init__(self, last_step, scale):
-        self.last_step = last_step
-        self.count = 0
-        self.first_step = None
-        self.scale_before = scale
-        self.scale_after = scale
-
-    def add(self, count, first_step, last_step, scale_before, scale_after):
-        if not self.count:
-            self.first_step = first_step
-            self.scale_before = scale_before
-        self.count += count
-        self.last_step = last_step
-        self.scale_after = scale_after
-
-    def summary(self):
-        plural = "s" if self.count > 1 else ""
-        return (f"LossScaleMonitor: {self.count} more skipped step{plural} in "
-                f"{_steps(self.first_step, self.last_step)}; loss scale "
-                f"{self.scale_before!r} -> {self.scale_after!r}")
-
-
-class _FitWatch:
-    """The XLA watch a callback keeps over one `fit` (`xla_checks.Watch`).
-
-    Live while the model still runs the train function it had when training
-    began: `compile` replaces that function, so a watch that a fit which
-    died left behind does not vouch for the step of a later fit.
-
-    The model's train function is made anew (`make_train_function(force=
-    True)`, public in Keras 3 and tf-keras), for a loss scale that needs the
-    host on a model compiled with XLA, twice:
-
-    * when the watch starts: the step is traced under this watch, even if a
-      function made earlier was traced without one, or failed its first
-      trace for want of one (TensorFlow may not trace that function again);
-    * when the watch ends, if a step was traced under it: a later `fit`
-      without a watcher then fails before its first step, naming the fixes,
-      instead of running a compiled step that nobody checks. The cost: that
-      later fit compiles its step again.
-    """
-
-    def __init__(self, model, optimizer):
-        self._model = model
-        if xla_checks.needs_watch(optimizer) and getattr(
-                model, "jit_compile", False) is True:
-            self._make_train_function()
-        train_function = getattr(model, "train_function", None)
-        self._watch = xla_checks.Watch(
-            optimizer, is_live=lambda: getattr(
-                model, "train_function", None) is train_function)
-        self._watch.start()
-
-    def _make_train_function(self):
-        make_train_function = getattr(self._model, "make_train_function", None)
-        if make_train_function is not None:
-            make_train_function(force=True)
-
-    def end(self, retrace=True):
-        self._watch.end()
-        if retrace and self._watch.traced:
-            self._watch.traced = False
-            self._make_train_function()
-
-    @contextlib.contextmanager
-    def ending_on_error(self):
-        """Ends the watch if the body raises: Keras calls no
-        `on_train_end` after a callback raised."""
-        try:
-            yield
-        except BaseException:
-            self.end()
-            raise
-
-
-def _rewatch(watch, model, optimizer, act=True):
-    """A new `_FitWatch` of `model`, once `optimizer`'s record holds nothing
-    (acting on it raises what unwatched calls left; `act=False` for a caller
-    that reads the scale next, which acts); `watch`, left by a fit that died
-    (no `on_train_end`), ends first."""
-    if watch is not None:
-        watch.end(retrace=False)
-    if act:
-        xla_checks.act(optimizer)
-    return _FitWatch(model, optimizer)
-
-
-class _XlaChecks:
-    """`XlaChecks` for either framework's Callback base (the next class in
-    the MRO)."""
-
-    def __init__(self):
-        super().__init__()
-        self._watch = None
-
-    def on_train_begin(self, logs=None):
-        optimizer = getattr(self.model, "optimizer", None)
-        _check_optimizer(optimizer)
-        self._watch = _rewatch(self._watch, self.model, optimizer)
-
-    def on_train_batch_end(self, batch, logs=None):
-        with self._watch.ending_on_error():
-            xla_checks.act(self.model.optimizer)
-
-    def on_train_end(self, logs=None):
-        self._watch.end()
-
-
-class XlaChecks(_XlaChecks, keras.callbacks.Callback):
-    """Carries out, after each batch, what an XLA-compiled step cannot.
-
-    Under XLA (`jit_compile`, Keras' default when a GPU is visible) a step can
-    neither fail nor print, so `DynamicLossScale`'s state check,
-    `on_min_loss_scale="raise"`/`"warn"` and `max_consecutive_skips` are
-    carried out on the host, with the same errors and warnings. This
-    callback (or a `LossScaleMonitor`, which does the same) watches `fit`:
-    a loss scale with "warn", "raise" or `max_consecutive_skips` can only be
-    traced under XLA while a watcher is live, and the callback acts after
-    each executed call (`steps_per_execution` steps), with one small read.
-    Without XLA it reads nothing and does nothing.
-
-    The watch lasts from `on_train_begin` to `on_train_end`, and only while
-    the model keeps the train function it began with. If a step was traced
-    under it, `on_train_end` makes the model trace its step again
-    (`make_train_function(force=True)`), so that a later `fit` without a
-    watcher fails before its first step (naming the fixes) instead of
-    running unchecked; that later fit compiles its step again.
-
-    Raises:
-      TypeError: at the start of training, the model's optimizer is not a
-        `tf_lossscale.LossScaleOptimizer`.
-
-    With `TF_USE_LEGACY_KERAS=1` the object made is a tf-keras callback
-    (`for_tf_keras`).
-    """
-
-    def __new__(cls, *args, **kwargs):
-        if cls is XlaChecks and optimizer_protocol.tf_keras_is_tf_keras():
-            return cls.for_tf_keras(*args, **kwargs)
-        return super().__new__(cls)
-
-    @staticmethod
-    def for_tf_keras():
-        """The callback as a `tf_keras.callbacks.Callback`, for tf-keras'
-        `fit`."""
-        return _tf_keras_class(_XlaChecks, "TfKerasXlaChecks",
-                               XlaChecks.__doc__)()
+# The burst limits of the verbose lines (module docstring), read when
+# training begins.
+BURST_GAP_STEPS = skip_reporting.BURST_GAP_STEPS
+BURST_SUMMARY_SKIPS = skip_reporting.BURST_SUMMARY_SKIPS
+# Where it was before 0.4.
+XlaChecks = xla_checks_callback.XlaChecks
 
 
 class _Monitor:
@@ -282,7 +100,7 @@ class _Monitor:
         self._skipped = None
         self._step = 0
         self._epoch_first_step = 0
-        self._burst = None
+        self._reporter = None
         self._watch = None
 
     def _read(self):
@@ -294,13 +112,15 @@ class _Monitor:
 
     def on_train_begin(self, logs=None):
         optimizer = getattr(self.model, "optimizer", None)
-        _check_optimizer(optimizer)
+        xla_checks_callback.check_optimizer(optimizer)
         self._optimizer = optimizer
         self._scale, self._skipped = self._read()
-        self._watch = _rewatch(self._watch, self.model, optimizer, act=False)
+        self._watch = xla_checks_callback.rewatch(
+            self._watch, self.model, optimizer, act=False)
         self._step = 0
         self._epoch_first_step = 0
-        self._burst = None
+        self._reporter = skip_reporting.SkipReporter(
+            optimizer, BURST_GAP_STEPS, BURST_SUMMARY_SKIPS)
         if self.gradient_stats:
             self._attach_stats()
 
@@ -341,7 +161,8 @@ class _Monitor:
         self._step = (self._epoch_first_step
                       + keras_compat.last_step_of_batch(self, batch) + 1)
         if self.verbose:
-            self._report(skipped - self._skipped, first_step, scale)
+            self._reporter.report(skipped - self._skipped, first_step,
+                                  self._step, self._scale, scale)
         self._scale, self._skipped = scale, skipped
 
     def on_epoch_end(self, epoch, logs=None):
@@ -353,40 +174,8 @@ class _Monitor:
     def on_train_end(self, logs=None):
         self._watch.end()
         self._detach_stats()
-        self._end_burst()
-
-    # Verbose mode.
-
-    def _report(self, new_skips, first_step, scale):
-        burst = self._burst
-        if burst is not None and (
-                first_step - burst.last_step > BURST_GAP_STEPS + 1):
-            self._end_burst()
-            burst = None
-        if not new_skips:
-            return
-        if burst is None:
-            self._print_skip(new_skips, first_step, scale)
-            self._burst = _Burst(self._step, scale)
-            return
-        burst.add(new_skips, first_step, self._step, self._scale, scale)
-        if burst.count >= BURST_SUMMARY_SKIPS:
-            print("\n" + burst.summary())
-            self._burst = _Burst(self._step, scale)
-
-    def _print_skip(self, new_skips, first_step, scale):
-        if first_step == self._step:
-            what = f"skipped step {self._step}"
-        else:
-            what = f"skipped {new_skips} of {_steps(first_step, self._step)}"
-        variables = self._optimizer.last_nonfinite_variables()
-        print(f"\nLossScaleMonitor: {what}; loss scale {self._scale!r} -> "
-              f"{scale!r}; non-finite gradients: {_variable_list(variables)}")
-
-    def _end_burst(self):
-        if self._burst is not None and self._burst.count:
-            print("\n" + self._burst.summary())
-        self._burst = None
+        if self._reporter is not None:
+            self._reporter.end()
 
 
 class LossScaleMonitor(_Monitor, keras.callbacks.Callback):
@@ -421,16 +210,7 @@ class LossScaleMonitor(_Monitor, keras.callbacks.Callback):
     def for_tf_keras(verbose=False, gradient_stats=False):
         """The monitor as a `tf_keras.callbacks.Callback`, for tf-keras'
         `fit`."""
-        return _tf_keras_class(_Monitor, "TfKerasLossScaleMonitor",
+        return xla_checks_callback.tf_keras_class(_Monitor, "TfKerasLossScaleMonitor",
                                LossScaleMonitor.__doc__)(verbose,
                                                          gradient_stats)
 
-
-@functools.lru_cache(maxsize=None)
-def _tf_keras_class(mixin, name, doc):
-    """`mixin` on tf-keras' Callback base; made on first use, so Keras 3
-    users never import tf_keras."""
-    import tf_keras  # pylint: disable=g-import-not-at-top
-
-    return type(name, (mixin, tf_keras.callbacks.Callback),
-                {"__doc__": doc, "__module__": __name__})

@@ -24,6 +24,7 @@ import weakref
 
 import keras
 
+from tf_lossscale import dynamic_loss_scale
 from tf_lossscale import loss_scale as loss_scale_lib
 from tf_lossscale import serialization
 from tf_lossscale import validation
@@ -181,7 +182,7 @@ def resolve_loss_scale(loss_scale, dynamic, initial_scale,
     given = {"initial_loss_scale": initial_scale,
              "increment_period": dynamic_growth_steps}
     # Keras' dynamic scale always grows and shrinks by 2.
-    return loss_scale_lib.DynamicLossScale(
+    return dynamic_loss_scale.DynamicLossScale(
         multiplier=2.0,
         **{name: value for name, value in given.items() if value is not None})
 

@@ -28,8 +28,8 @@ import os
 
 import tensorflow as tf
 
+from tf_lossscale import dynamic_loss_scale
 from tf_lossscale import gradient_checks
-from tf_lossscale import loss_scale as loss_scale_lib
 from tf_lossscale import loss_scaled_step
 from tf_lossscale import serialization
 from tf_lossscale import step_arguments
@@ -48,18 +48,6 @@ def comes_from_tf_keras(obj):
 def tf_keras_is_tf_keras():
     """Whether `tf.keras` is tf-keras: TensorFlow's own switch."""
     return os.environ.get("TF_USE_LEGACY_KERAS") in ("true", "True", "1")
-
-
-def check_replica_context():
-    """Raises RuntimeError in a strategy's cross-replica context:
-    `apply_gradients` must run inside `strategy.run` (or `fit`), or with no
-    strategy at all."""
-    if tf.distribute.has_strategy() and (
-            tf.distribute.in_cross_replica_context()):
-        raise RuntimeError(
-            "LossScaleOptimizer.apply_gradients must be called in a "
-            "replica context: inside strategy.run (or model.fit), not "
-            "directly under strategy.scope()")
 
 
 def wrapper_config(optimizer, serialized_inner):
@@ -112,7 +100,7 @@ class ScaledLossProtocol:
     @property
     def dynamic(self):
         """Whether the loss scale is dynamic (a `DynamicLossScale`)."""
-        return isinstance(self._loss_scale, loss_scale_lib.DynamicLossScale)
+        return isinstance(self._loss_scale, dynamic_loss_scale.DynamicLossScale)
 
     @property
     def dynamic_scale(self):

@@ -71,19 +71,20 @@ creates the state behind them. So:
   (`hand_pending_restores_to_inner`), whose own tracking then restores them.
 """
 
-import functools
-import types
 import warnings
 import weakref
 
 import tensorflow as tf
+
+from tf_lossscale import private_api
 
 # Wrapper state added after 0.1.0: attribute name -> key in the .keras store.
 LATER_STATE_KEYS = {"_last_nonfinite": "last_nonfinite"}
 
 # What 0.1.0 saved at the top level of a checkpoint for the wrapper's own,
 # never-used `iterations` and `learning_rate`.
-_PLACEHOLDER_VALUES = {"_iterations": 0, "_learning_rate": 0.0}
+_PLACEHOLDER_VALUES = {private_api.KERAS_ITERATIONS: 0,
+                       private_api.KERAS_LEARNING_RATE: 0.0}
 
 _LOSS_SCALE_KEY = "loss_scale.{}"
 
@@ -103,13 +104,14 @@ def _later_state(optimizer):
 def _indexed_variables(optimizer):
     """The variables stored under "0", "1", ...: 0.1.0's order."""
     later = {id(variable) for _, variable in _later_state(optimizer)}
-    own = [v for v in optimizer._variables if id(v) not in later]  # pylint: disable=protected-access
+    own = [v for v in private_api.keras_own_variables(optimizer)
+           if id(v) not in later]
     return own + list(optimizer.inner_optimizer.variables)
 
 
 def listed_variables(optimizer):
     """`optimizer.variables`: own state, then the loss scale's, then inner."""
-    return (list(optimizer._variables)  # pylint: disable=protected-access
+    return (list(private_api.keras_own_variables(optimizer))
             + list(optimizer.loss_scale.variables)
             + list(optimizer.inner_optimizer.variables))
 
@@ -141,13 +143,11 @@ def _expect_empty_inner_store(inner):
     would report as lost the state just loaded. One call only: the hook
     removes itself, and a store with variables loads as usual.
     """
-    def load_own_variables(store):
-        del inner.__dict__["load_own_variables"]
+    def load_unless_empty(store):
         if list(store.keys()):
             inner.load_own_variables(store)
 
-    # Past Keras' attribute tracking: a function is no optimizer state.
-    inner.__dict__["load_own_variables"] = load_own_variables
+    private_api.keras_load_own_variables_once(inner, load_unless_empty)
 
 
 def load_own_variables(optimizer, store):
@@ -201,7 +201,7 @@ def load_own_variables(optimizer, store):
             variable.assign(store[key])
 
 
-class _Alias(tf.__internal__.tracking.Trackable):
+class _Alias(private_api.SavedTensors):
     """Saves and restores one inner-optimizer variable under a plain name.
 
     A separate object, so the variable keeps its own checkpoint key (a
@@ -215,11 +215,11 @@ class _Alias(tf.__internal__.tracking.Trackable):
         self.variable = variable
         self._placeholder = placeholder
 
-    def _serialize_to_tensors(self):
+    def save_tensors(self):
         return {"VARIABLE_VALUE": tf.identity(self.variable)}
 
-    def _restore_from_tensors(self, restored_tensors):
-        value = tf.cast(restored_tensors["VARIABLE_VALUE"],
+    def restore_tensors(self, tensors):
+        value = tf.cast(tensors["VARIABLE_VALUE"],
                         self.variable.dtype)
         is_placeholder = tf.equal(
             value, tf.constant(self._placeholder, self.variable.dtype))
@@ -252,7 +252,7 @@ def _plain_entries(optimizer):
     optimizer's `_variables/0` is its `_iterations`)."""
     inner = optimizer.inner_optimizer
     entries = []
-    for variable in inner._variables:  # pylint: disable=protected-access
+    for variable in private_api.keras_own_variables(inner):
         for name in _PLACEHOLDER_VALUES:
             if variable is getattr(inner, name):
                 variable = _alias(optimizer, name, variable)
@@ -261,80 +261,52 @@ def _plain_entries(optimizer):
     return entries
 
 
-def _written_by_plain_optimizer(coordinator, optimizer):
+def _written_by_plain_optimizer(position, optimizer):
     """Whether the checkpoint object restored into `optimizer` is a plain
     optimizer's: every wrapper (0.1.0, Keras 3, this one) has an
     `inner_optimizer`."""
-    for node_id, bound in list(coordinator.object_by_proto_id.items()):
-        if bound is optimizer:
-            node = coordinator.object_graph_proto.nodes[node_id]
-            return all(child.local_name != "inner_optimizer"
-                       for child in node.children)
-    return False
+    names = private_api.saved_child_names(position, optimizer)
+    return names is not None and "inner_optimizer" not in names
 
 
-class _Handover(dict):
-    """`_PlainVariables._deferred_dependencies`: TF files each unmatched
-    checkpoint entry with `setdefault(name, []).append(position)`; each goes
-    to `receive` as it is filed, nothing is kept."""
-
-    def __init__(self, receive):
-        super().__init__()
-        self._receive = receive
-
-    def setdefault(self, key, default=None):
-        del default
-        return types.SimpleNamespace(
-            append=functools.partial(self._receive, key))
-
-
-class _PlainVariables(tf.__internal__.tracking.Trackable):
+class _PlainVariables(private_api.RestoreReceiver):
     """The wrapper's `_variables` in checkpoints (see the module docstring).
 
     Saving, its entries are the inner optimizer's variables (`_plain_entries`).
-    Restoring, it matches none of them by name, so TF files every entry the
-    checkpoint has under `_variables` and no other name has matched yet with
-    `_deferred_dependencies`, and `_receive` decides where it goes: a plain
-    optimizer's entry to the same index of the inner optimizer's own list,
-    which restores it now if it exists and when Keras appends it otherwise.
+    Restoring, it matches none of them by name, so TF hands every entry the
+    checkpoint has under `_variables` and no other name has matched yet to
+    `receive`, which decides where it goes: a plain optimizer's entry to the
+    same index of the inner optimizer's own list, which restores it now if
+    it exists and when Keras appends it otherwise.
     """
 
     def __init__(self, optimizer):
         self._optimizer = weakref.ref(optimizer)
         self._verdict = (None, False)  # (restore uid, written by plain)
 
-    def _trackable_children(self, save_type="checkpoint", **kwargs):
-        del save_type, kwargs
+    def children(self):
         optimizer = self._optimizer()
         if optimizer is None:
             return {}
         return {str(index): entry
                 for index, entry in enumerate(_plain_entries(optimizer))}
 
-    def _lookup_dependency(self, name, cached_dependencies=None):
-        del name, cached_dependencies
-        return None
-
-    @property
-    def _deferred_dependencies(self):
-        return _Handover(self._receive)
-
-    def _receive(self, name, position):
+    def receive(self, name, position):
         optimizer = self._optimizer()
         if optimizer is None or not self._from_plain_optimizer(
-                optimizer, position.checkpoint):
+                optimizer, position):
             return
-        entries = optimizer.inner_optimizer._variables  # pylint: disable=protected-access
-        entries._deferred_dependencies.setdefault(name, []).append(position)  # pylint: disable=protected-access
+        entries = private_api.keras_own_variables(optimizer.inner_optimizer)
+        private_api.defer_restores(entries, name, [position])
         if name.isdigit() and int(name) < len(entries):
-            entries._handle_deferred_dependencies(name, entries[int(name)])  # pylint: disable=protected-access
+            private_api.restore_deferred(entries, name, entries[int(name)])
 
-    def _from_plain_optimizer(self, optimizer, coordinator):
+    def _from_plain_optimizer(self, optimizer, position):
         # Decided once per restore: a large model files many entries.
         uid, verdict = self._verdict
-        if uid != coordinator.restore_uid:
-            verdict = _written_by_plain_optimizer(coordinator, optimizer)
-            self._verdict = (coordinator.restore_uid, verdict)
+        if uid != private_api.restore_uid(position):
+            verdict = _written_by_plain_optimizer(position, optimizer)
+            self._verdict = (private_api.restore_uid(position), verdict)
         return verdict
 
 
@@ -357,14 +329,13 @@ def hand_pending_restores_to_inner(optimizer):
     optimizer creates them: its own tracking restores them once they wait
     there (at once for a dependency it already has).
     """
-    pending = optimizer._deferred_dependencies  # pylint: disable=protected-access
+    pending = private_api.pending_restores(optimizer)
     inner = optimizer.inner_optimizer
     for name in [name for name in pending if name not in _WRAPPER_NAMES]:
-        inner._deferred_dependencies.setdefault(name, []).extend(  # pylint: disable=protected-access
-            pending.pop(name))
-        existing = inner._lookup_dependency(name)  # pylint: disable=protected-access
+        private_api.defer_restores(inner, name, pending.pop(name))
+        existing = private_api.dependency(inner, name)
         if existing is not None:
-            inner._handle_deferred_dependencies(name, existing)  # pylint: disable=protected-access
+            private_api.restore_deferred(inner, name, existing)
 
 
 def checkpoint_children(optimizer, own_children, save_type, **kwargs):
@@ -373,8 +344,8 @@ def checkpoint_children(optimizer, own_children, save_type, **kwargs):
     Args:
       optimizer: the LossScaleOptimizer.
       own_children: what automatic tracking found on the wrapper.
-      save_type: as given to `_trackable_children`.
-      **kwargs: passed on to the inner optimizer's `_trackable_children`.
+      save_type: as given to `private_api.trackable_children`.
+      **kwargs: passed on to the inner optimizer's.
     """
     # SaveType is a str enum; SavedModels keep the default dependencies.
     # Keras asks for them while constructing, before the inner optimizer is
@@ -382,10 +353,10 @@ def checkpoint_children(optimizer, own_children, save_type, **kwargs):
     if save_type != "checkpoint" or "inner_optimizer" not in own_children:
         return own_children
     inner = optimizer.inner_optimizer
-    children = dict(inner._trackable_children(save_type, **kwargs))  # pylint: disable=protected-access
+    children = private_api.trackable_children(inner, save_type, **kwargs)
     # Re-added last, below: listed first it would be the first path to the
     # slots and move their checkpoint keys.
-    children.pop("_variables", None)
+    children.pop(private_api.KERAS_VARIABLES, None)
     for name in _PLACEHOLDER_VALUES:
         # A learning-rate schedule is not a variable and is not saved.
         if hasattr(children.get(name), "assign"):
@@ -398,5 +369,5 @@ def checkpoint_children(optimizer, own_children, save_type, **kwargs):
     # Later state (LATER_STATE_KEYS) is left out: a dependency that older
     # checkpoints lack would fail their `assert_consumed()`.
     children["_skipped_steps"] = own_children["_skipped_steps"]
-    children["_variables"] = _plain_variables(optimizer)
+    children[private_api.KERAS_VARIABLES] = _plain_variables(optimizer)
     return children

@@ -18,10 +18,8 @@ Each reading is the value at that moment: read again after a step. Python
 numbers do not combine with it directly (`2 * scale` raises TypeError; use
 `2 * float(scale)` or a tensor).
 
-Two of these hooks are TensorFlow protocols without a public name: the
-`is_tensor_like` attribute that `tf.is_tensor` looks for, and
-`_as_graph_element`, which `Session.run` calls on what it fetches (as for
-`tf.Variable`); checked on TensorFlow 2.16 and 2.21.
+Two of these hooks are TensorFlow protocols without a public name
+(`tf.is_tensor` and `Session.run`): `tf_lossscale.private_api.TensorLike`.
 """
 
 import weakref
@@ -29,17 +27,14 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
+from tf_lossscale import private_api
 
-class ReadsAsTensor:
+
+class ReadsAsTensor(private_api.TensorLike):
     """Mixin for `LossScale`: reads as `self()`, a scalar float32 tensor."""
 
     dtype = tf.float32
     shape = tf.TensorShape([])
-
-    @property
-    def is_tensor_like(self):
-        """Makes `tf.is_tensor(self)` True (TensorFlow's protocol)."""
-        return True
 
     def numpy(self):
         """The current scale as a numpy float32 scalar (eagerly)."""
@@ -52,7 +47,7 @@ class ReadsAsTensor:
         del copy  # A new array every time.
         return np.asarray(self.numpy(), dtype=dtype)
 
-    def _as_graph_element(self):
+    def _graph_read(self):
         """`Session.run(self)` in a TF1 graph: one read op per graph, made
         on first fetch and fetched again after that."""
         graph = tf.compat.v1.get_default_graph()

@@ -12,13 +12,14 @@ import numbers
 
 import numpy as np
 
+from tf_lossscale import dynamic_loss_scale
 from tf_lossscale import loss_scale as loss_scale_lib
 from tf_lossscale import validation
 
 _BUILT_IN = {
     cls.__name__: cls
     for cls in (loss_scale_lib.FixedLossScale,
-                loss_scale_lib.DynamicLossScale)
+                dynamic_loss_scale.DynamicLossScale)
 }
 _IGNORED_KEYS = frozenset({"module", "registered_name"})
 
@@ -152,7 +153,7 @@ def get(identifier):
     if isinstance(identifier, numbers.Real):
         return loss_scale_lib.FixedLossScale(identifier)
     if isinstance(identifier, str) and identifier == "dynamic":
-        return loss_scale_lib.DynamicLossScale()
+        return dynamic_loss_scale.DynamicLossScale()
     if isinstance(identifier, dict):
         return deserialize(identifier)
     raise ValueError(

@@ -35,12 +35,13 @@ What differs from TensorFlow's wrapper:
 
 import tensorflow as tf
 
-from tf_lossscale import distribution
 from tf_lossscale import loss_scaled_step
+from tf_lossscale import private_api
 from tf_lossscale import serialization
 from tf_lossscale import step_arguments
 from tf_lossscale import unscaling
 from tf_lossscale import validation
+from tf_lossscale import wrapper_core
 
 _GATE_OP = tf.compat.v1.train.Optimizer.GATE_OP
 
@@ -62,7 +63,7 @@ def _resolve_loss_scale(identifier):
 def _state_variables(loss_scale):
     if _is_tensorflow_loss_scale(loss_scale):
         # TensorFlow's loss scales list their variables nowhere public.
-        return list(loss_scale._weights.values())  # pylint: disable=protected-access
+        return private_api.tf1_loss_scale_variables(loss_scale)
     return list(loss_scale.variables)
 
 
@@ -102,11 +103,11 @@ class MixedPrecisionLossScaleOptimizer(tf.compat.v1.train.Optimizer):
             raise validation.DoubleScalingError(
                 "opt already applies loss scaling; wrap the optimizer inside "
                 "it instead, or the loss would be scaled twice")
-        super().__init__(opt._use_locking, opt.get_name())  # pylint: disable=protected-access
+        super().__init__(private_api.tf1_use_locking(opt), opt.get_name())
         self._optimizer = opt
         self._loss_scale = _resolve_loss_scale(loss_scale)
-        self._track_trackable(opt, "base_optimizer")
-        self._track_trackable(self._loss_scale, "loss_scale")
+        private_api.track(self, opt, "base_optimizer")
+        private_api.track(self, self._loss_scale, "loss_scale")
 
     @property
     def inner_optimizer(self):
@@ -155,21 +156,16 @@ class MixedPrecisionLossScaleOptimizer(tf.compat.v1.train.Optimizer):
           skips; eagerly, None (the step has run).
 
         Raises:
-          ValueError: called in cross-replica context (under a strategy's
-            scope, outside its `run`), or under a strategy loss scaling cannot
-            support.
+          validation.ReplicaContextError: (a ValueError and a RuntimeError)
+            called in cross-replica context (under a strategy's scope,
+            outside its `run`).
+          ValueError: under a strategy loss scaling cannot support.
           TypeError, ValueError: `grads_and_vars` refused by
             `tf_lossscale.step_arguments` (not pairs, none at all, a
             gradient that is not floating-point or does not fit its
             variable, every gradient None), before anything changes.
         """
-        if distribution.strategy_in_use() is not None and (
-                tf.distribute.in_cross_replica_context()):
-            raise ValueError(
-                "apply_gradients must be called in a replica context: inside "
-                "strategy.run (or the strategy's call_for_each_replica), not "
-                "directly under strategy.scope()")
-        distribution.check_supported()
+        wrapper_core.open_step()
         grads, variables = step_arguments.checked_pairs(grads_and_vars)
 
         name = name or self.get_name()

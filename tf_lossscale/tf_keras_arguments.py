@@ -19,6 +19,7 @@ what tf-keras does not check.
 import tensorflow as tf
 
 from tf_lossscale import distribution
+from tf_lossscale import private_api
 from tf_lossscale import validation
 
 
@@ -50,7 +51,7 @@ def check_inner(inner_optimizer, optimizer_bases, loss_scale_optimizer_base):
             f"{validation.summary(inner_optimizer)} of type "
             f"{type(inner_optimizer).__name__}")
     # tf-keras' wrapper and ours both mark the optimizer they wrap.
-    if getattr(inner_optimizer, "_is_wrapped_by_loss_scale_optimizer", False):
+    if private_api.tf_keras_is_wrapped(inner_optimizer):
         raise ValueError(
             '"inner_optimizer" is already wrapped by a LossScaleOptimizer. '
             "An optimizer can only be wrapped by a single LossScaleOptimizer: "

@@ -51,16 +51,19 @@ requirements.warn_untested([requirements.check_tf_keras()])
 
 import tensorflow as tf
 import tf_keras
-from tf_keras.src.mixed_precision import loss_scale_optimizer as tf_keras_lso
 
 from tf_lossscale import legacy_configs
 from tf_lossscale import loss_scaled_step
 from tf_lossscale import optimizer_arguments
 from tf_lossscale import optimizer_protocol
+from tf_lossscale import private_api
 from tf_lossscale import step_arguments
 from tf_lossscale import tf_keras_arguments
+from tf_lossscale import wrapper_core
 from tf_lossscale import xla_checks
 # pylint: enable=g-import-not-at-top,wrong-import-position
+
+_tf_keras_lso = private_api.tf_keras_loss_scale_optimizers()
 
 _NEW_BASE = tf_keras.optimizers.Optimizer
 _LEGACY_BASE = tf_keras.optimizers.legacy.Optimizer
@@ -71,23 +74,10 @@ def wrap(inner_optimizer, *args, **kwargs):
     the arguments of `tf_lossscale.LossScaleOptimizer`. Anything but a
     tf-keras optimizer is refused as tf-keras refuses it."""
     tf_keras_arguments.check_inner(inner_optimizer, (_NEW_BASE, _LEGACY_BASE),
-                                   tf_keras_lso.BaseLossScaleOptimizer)
+                                   _tf_keras_lso.BaseLossScaleOptimizer)
     if isinstance(inner_optimizer, _LEGACY_BASE):
         return LegacyLossScaleOptimizer(inner_optimizer, *args, **kwargs)
     return LossScaleOptimizer(inner_optimizer, *args, **kwargs)
-
-
-def _aggregate_legacy(inner_optimizer, pairs):
-    """What `OptimizerV2.apply_gradients` does to `pairs` to aggregate
-    them: its hook for unaggregated gradients, then its aggregation (the
-    `gradient_aggregator`, unless a subclass overrides it).
-
-    Private tf-keras methods (`OptimizerV2._transform_unaggregated_gradients`
-    and `_aggregate_gradients`, what tf-keras' own wrapper calls, and what
-    subclasses override; checked on tf-keras 2.16 and 2.21).
-    """
-    pairs = inner_optimizer._transform_unaggregated_gradients(pairs)  # pylint: disable=protected-access
-    return inner_optimizer._aggregate_gradients(pairs)  # pylint: disable=protected-access
 
 
 def _track_tf22_slot_placeholder(wrapper, inner_optimizer):
@@ -98,22 +88,16 @@ def _track_tf22_slot_placeholder(wrapper, inner_optimizer):
     slots to the inner optimizer, and so does this wrapper. It holds no
     variable, so checkpoints written now are unchanged but for the empty
     entry tf-keras' wrapper writes too.
-
-    Private tf-keras class (`tf_keras.src.mixed_precision.
-    loss_scale_optimizer.FakeOptimizerForRestoration`; checked on tf-keras
-    2.16 and 2.21).
     """
     # Tracked on the inner optimizer, as everything the wrapper tracks.
-    wrapper._track_trackable(  # pylint: disable=protected-access
-        tf_keras_lso.FakeOptimizerForRestoration(inner_optimizer),
+    private_api.track(
+        wrapper,
+        private_api.tf_keras_fake_optimizer_for_restoration(inner_optimizer),
         "base_optimizer")
 
 
-def _key(variable):
-    """One key for a variable, whichever replica's component is at hand."""
-    if hasattr(variable, "_distributed_container"):
-        variable = variable._distributed_container()  # pylint: disable=protected-access
-    return variable._unique_id  # pylint: disable=protected-access
+# One key for a variable, whichever replica's component is at hand.
+_key = private_api.variable_key
 
 
 class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
@@ -129,7 +113,7 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
                  initial_scale=None, dynamic_growth_steps=None, dynamic=None,
                  **kwargs):
         tf_keras_arguments.check_inner(inner_optimizer, self._INNER_BASE,
-                                       tf_keras_lso.BaseLossScaleOptimizer)
+                                       _tf_keras_lso.BaseLossScaleOptimizer)
         optimizer_arguments.check_name(name)
         optimizer_arguments.check_base_optimizer_kwargs(kwargs)
         tf_keras_arguments.check_keras_style_arguments(
@@ -139,21 +123,21 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
             loss_scale, dynamic, initial_scale, dynamic_growth_steps)
         # First: the legacy class's __setattr__ reads the inner optimizer.
         self._optimizer = inner_optimizer
-        inner_optimizer._is_wrapped_by_loss_scale_optimizer = True  # pylint: disable=protected-access
+        private_api.tf_keras_mark_wrapped(inner_optimizer)
         optimizer_arguments.claim(inner_optimizer, self)
         # As in tf-keras' wrapper, checkpoint dependencies are the inner
         # optimizer's: tracking below lands there, so both wrappers' checkpoints
         # have one layout and restore into each other.
-        tf.__internal__.tracking.DelegatingTrackableMixin.__init__(
+        private_api.DelegatingTrackableMixin.__init__(
             self, inner_optimizer)
         self.name = name or "LossScaleOptimizer"
         self._loss_scale = resolved
-        self._track_trackable(resolved, "loss_scale")
+        private_api.track(self, resolved, "loss_scale")
         with tf.init_scope():
             self._skipped_steps = tf.Variable(
                 0, name="skipped_steps", dtype=tf.int64, trainable=False,
                 aggregation=tf.VariableAggregation.NONE)
-        self._track_trackable(self._skipped_steps, "skipped_steps")
+        private_api.track(self, self._skipped_steps, "skipped_steps")
         # Created with the inner optimizer's slots (`_build`).
         self._last_nonfinite = None
         self._built_for = []
@@ -222,14 +206,18 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
         self.set_weights([store[str(i)] for i in range(len(store.keys()))])
 
     def last_nonfinite_variables(self):
-        """Names of the variables whose gradients held NaN or +-Inf on the
+        """Paths of the variables whose gradients held NaN or +-Inf on the
         most recent skipped step, on any replica or worker, in the order the
-        optimizer was built with; `[]` before the first skipped step."""
-        if self._last_nonfinite is None:
-            return []
-        flags = self._last_nonfinite.numpy()
-        return [variable.name for variable, flag
-                in zip(self._built_for, flags) if flag]
+        optimizer was built with; `[]` before the first skipped step.
+
+        A path is the variable's name without its `:0` suffix
+        (`"dense/kernel"`), as the Keras 3 wrapper returns `variable.path`:
+        the same strings for the same functional model
+        (`tf_lossscale.wrapper_core.nonfinite_paths`). Before 0.4 these were
+        the names, `"dense/kernel:0"`.
+        """
+        return wrapper_core.nonfinite_paths(self._built_for,
+                                            self._last_nonfinite)
 
     # Applying.
 
@@ -239,7 +227,8 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
         Gradients are unscaled (TF 2.x protocol: `get_unscaled_gradients`,
         as `fit` and `minimize` do), or scaled after `scale_loss`. Those of
         a loss that was never scaled are applied as given, with tf-keras'
-        warning. Must be called in a replica context. As in tf-keras, the
+        warning. Must be called in a replica context: else
+        `validation.ReplicaContextError` (a ValueError and a RuntimeError). As in tf-keras, the
         gradients are aggregated across replicas first (the inner
         optimizer's aggregation, custom `gradient_aggregator` included) and
         the aggregate is what is checked and applied; `kwargs` are the inner
@@ -247,8 +236,7 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
         `skip_gradients_aggregation`).
         """
         self.check_unscaled()
-        optimizer_protocol.check_replica_context()
-        tf_keras_arguments.check_strategy()
+        wrapper_core.open_step(tf_keras_arguments.check_strategy)
         loss_scaled_step.check_traceable(self._loss_scale)
         tf_keras_arguments.warn_if_not_scaled(
             self._loss_scaled, self._caller_unscales)
@@ -273,9 +261,9 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
 
     def _skip_record(self):
         positions = {_key(v): i for i, v in enumerate(self._built_for)}
-        return loss_scaled_step.SkipRecord(
-            self._skipped_steps, self._last_nonfinite,
-            lambda variables: [positions[_key(v)] for v in variables])
+        return wrapper_core.skip_record(
+            self._skipped_steps, self._last_nonfinite, self._built_for,
+            lambda v: positions[_key(v)])
 
     # Configs.
 
@@ -298,14 +286,14 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
 
 @tf_keras.saving.register_keras_serializable(package="tf_lossscale",
                                              name="LossScaleOptimizer")
-class LossScaleOptimizer(_TfKerasWrapper, tf_keras_lso.LossScaleOptimizerV3):
+class LossScaleOptimizer(_TfKerasWrapper, _tf_keras_lso.LossScaleOptimizerV3):
     """Wraps a `tf_keras.optimizers.Optimizer`; see the module docstring."""
 
     _INNER_BASE = _NEW_BASE
 
     # Keras' automatic tracking would reach the inner optimizer before the
     # constructor has attached it.
-    @tf.__internal__.tracking.no_automatic_dependency_tracking
+    @private_api.no_automatic_dependency_tracking
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
 
@@ -350,7 +338,7 @@ class LossScaleOptimizer(_TfKerasWrapper, tf_keras_lso.LossScaleOptimizerV3):
 @tf_keras.saving.register_keras_serializable(
     package="tf_lossscale", name="LegacyLossScaleOptimizer")
 class LegacyLossScaleOptimizer(_TfKerasWrapper,
-                               tf_keras_lso.LossScaleOptimizer):
+                               _tf_keras_lso.LossScaleOptimizer):
     """Wraps a `tf_keras.optimizers.legacy.Optimizer` (OptimizerV2); see the
     module docstring."""
 
@@ -362,7 +350,7 @@ class LegacyLossScaleOptimizer(_TfKerasWrapper,
 
     def _build_inner(self, var_list):
         with tf.init_scope():
-            self._optimizer._create_all_weights(var_list)  # pylint: disable=protected-access
+            private_api.tf_keras_create_all_weights(self._optimizer, var_list)
 
     def apply_gradients(self, grads_and_vars, name=None,
                         experimental_aggregate_gradients=True):
@@ -379,7 +367,8 @@ class LegacyLossScaleOptimizer(_TfKerasWrapper,
         `gradient_aggregator`), unless the caller aggregated them."""
         if not experimental_aggregate_gradients:
             return pairs
-        return list(_aggregate_legacy(self._optimizer, pairs))
+        return list(private_api.tf_keras_aggregate_legacy(self._optimizer,
+                                                          pairs))
 
     def _apply_aggregated(self, pairs, name):
         # As tf-keras' wrapper calls it.

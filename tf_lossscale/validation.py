@@ -30,6 +30,18 @@ class DoubleScalingError(TypeError, ValueError):
     """
 
 
+class ReplicaContextError(ValueError, RuntimeError):
+    """A wrapper's `apply_gradients` (or Keras 3's `apply`) was called in a
+    strategy's cross-replica context, where one call cannot stand for every
+    replica's step.
+
+    Every wrapper raises it (Keras 3, tf-keras and TF1). It is a ValueError,
+    as TensorFlow's and Keras' own wrappers raise, and a RuntimeError, as
+    tf_lossscale's Keras wrappers raised before 0.4, so code written against
+    either keeps catching it.
+    """
+
+
 # A loss scale lives in a float32 variable: a Python float above this limit
 # would silently become inf there.
 FLOAT32_MAX = float(np.finfo(np.float32).max)

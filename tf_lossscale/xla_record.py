@@ -38,11 +38,9 @@ from typing import NamedTuple
 
 import numpy as np
 import tensorflow as tf
-# Private TensorFlow API, the only way to tell while tracing whether ops are
-# compiled by XLA; checked on TF 2.16 and 2.21.
-from tensorflow.python.ops import control_flow_util  # pylint: disable=g-direct-tensorflow-import
 
 from tf_lossscale import failure_policy
+from tf_lossscale import private_api
 
 # Event codes of a failed or refused step.
 NONE, INVALID, AT_FLOOR, TOO_MANY_SKIPS = 0, 1, 2, 3
@@ -54,14 +52,8 @@ _WARNINGS, _WARN_SCALE, _WARN_SKIPS = range(5, 8)
 _SIZE = 8
 
 
-def in_xla_context():
-    """Whether ops built now are compiled by XLA (checked while tracing).
-
-    Relies on `control_flow_util.GraphOrParentsInXlaContext`, a private
-    TensorFlow function (TF 2.16, 2.21).
-    """
-    return control_flow_util.GraphOrParentsInXlaContext(
-        tf.compat.v1.get_default_graph())
+# Whether ops built now are compiled by XLA (checked while tracing).
+in_xla_context = private_api.in_xla_context
 
 
 class Recorded(NamedTuple):
