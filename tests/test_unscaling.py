@@ -58,58 +58,6 @@ def test_packed_unscale_is_bit_identical_to_dividing_each_gradient(
         _assert_bit_identical(actual, oracle.reference_unscale(grad, scale))
 
 
-# Scales whose reciprocal is exact and normal (multiplied), and others
-# (divided): the edges of that range, a subnormal scale, non-powers of two.
-_EXACT_SCALES = [2.0 ** -126, 2.0 ** -20, 1.0, 2.0 ** 15, 2.0 ** 126]
-_DIVIDED_SCALES = [2.0 ** 127, 2.0 ** -127, 2.0 ** -149, 3.0, 0.75,
-                   (2.0 ** 15) * (1 + 2.0 ** -23)]
-
-
-def _edge_values(dtype):
-    """Values whose quotients are subnormal, flushed, huge, signed zeros,
-    and non-finite, in a pack and alone."""
-    finfo = np.finfo(dtype.as_numpy_dtype) if dtype != tf.bfloat16 else None
-    tiny = float(finfo.tiny) if finfo is not None else 1.1754944e-38
-    largest = float(dtype.max)
-    values = np.array([0.0, -0.0, 1.0, -3.5, tiny, tiny * 2 ** 10,
-                       largest, -largest, 1e-30, 6e-8, float("inf"),
-                       float("-inf"), float("nan")])
-    return [tf.cast(tf.constant(values[:7]), dtype),
-            tf.cast(tf.constant(values[7:]), dtype),
-            tf.cast(tf.constant(np.resize(values, 5000)), dtype)]
-
-
-@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf_function"])
-@pytest.mark.parametrize("scale", _EXACT_SCALES + _DIVIDED_SCALES)
-@pytest.mark.parametrize("dtype", _FLOAT_DTYPES, ids=lambda d: d.name)
-def test_multiplying_by_an_exact_reciprocal_is_bit_identical_to_dividing(
-        dtype, scale, traced):
-    grads = _edge_values(dtype)
-    fn = tf.function(unscaling.unscale) if traced else unscaling.unscale
-    unscaled = fn(grads, tf.constant(scale, tf.float32))
-    for actual, grad in zip(unscaled, grads):
-        expected = oracle.reference_unscale(grad, scale)
-        assert actual.dtype == expected.dtype
-        actual, expected = _as_float64(actual), _as_float64(expected)
-        # Bit for bit (signed zeros, subnormals); a NaN's sign and payload
-        # depend on which kernel path (vector or scalar) made it.
-        nan = np.isnan(expected)
-        np.testing.assert_array_equal(np.isnan(actual), nan)
-        np.testing.assert_array_equal(actual[~nan].view(np.int64),
-                                      expected[~nan].view(np.int64))
-
-
-def test_the_reciprocal_is_used_for_the_powers_of_two_a_dynamic_scale_takes():
-    # The default rule keeps the scale a power of two from 1 up: every one
-    # of them takes the multiply; the edges and everything else divide.
-    exact = unscaling._has_exact_reciprocal  # pylint: disable=protected-access
-    for power in range(-126, 127):
-        assert bool(exact(tf.constant(2.0 ** power))), power
-    for scale in _DIVIDED_SCALES + [0.0, -1.0, -(2.0 ** 15), float("inf"),
-                                    float("nan")]:
-        assert not bool(exact(tf.constant(scale, tf.float32))), scale
-
-
 def test_mixed_dtypes_are_packed_apart_and_each_keeps_its_dtype():
     grads = [g for dtype in _FLOAT_DTYPES for g in _random_grads(dtype, 3)]
     unscaled = tf.function(unscaling.unscale)(grads, tf.constant(1000.0))
@@ -142,32 +90,17 @@ def test_nested_structures_keep_their_shape():
     np.testing.assert_array_equal(unscaled["a"][0], [1.0, 3.0])
 
 
-def _op_types(function):
-    """Op type -> count in a traced function and in the functions of its
-    library (the branches of its `tf.cond`s)."""
-    graph_def = function.get_concrete_function().graph.as_graph_def()
-    # Placeholders: the captured gradients.
-    nodes = [node for node in graph_def.node if node.op != "Placeholder"]
-    for library_function in graph_def.library.function:
-        nodes += library_function.node_def
-    counts = {}
-    for node in nodes:
-        counts[node.op] = counts.get(node.op, 0) + 1
-    return counts
-
-
 def test_a_thousand_tiny_gradients_take_a_handful_of_ops_in_graphs():
     grads = [tf.constant(np.ones(1000, np.float32)) for _ in range(1000)]
-    counts = _op_types(tf.function(
+    graph = tf.function(
         lambda: gradient_checks.all_finite(
-            unscaling.unscale(grads, tf.constant(4.0)))))
-    # The reciprocal, then the pack multiplied or divided (one branch each).
-    assert counts.get("RealDiv", 0) == 2
-    assert counts.get("Mul", 0) == 1
-    finiteness = sum(counts.get(op, 0)
-                     for op in ("IsFinite", "MatMul", "Sum"))
-    assert finiteness <= 3
-    assert sum(counts.values()) < 60
+            unscaling.unscale(grads, tf.constant(4.0)))
+    ).get_concrete_function().graph
+    divides = [op for op in graph.get_operations() if op.type == "RealDiv"]
+    finiteness = [op for op in graph.get_operations()
+                  if op.type in ("IsFinite", "MatMul", "Sum")]
+    assert len(divides) == 1
+    assert len(finiteness) <= 3
 
 
 # ---------------------------------------------------------------------------
