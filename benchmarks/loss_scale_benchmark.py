@@ -1,6 +1,6 @@
 """Side-by-side cost of loss scaling, printed as ratios measured in one run.
 
-Run (one command; about 15 minutes on a quiet 2-core machine):
+Run (one command; about 15 minutes on a quiet 2-core machine, 37 at load 8):
 
     python benchmarks/loss_scale_benchmark.py [--quick] [--only=NAME,...]
         [--rounds=N] [--fit_steps=N] [--fit_rounds=N]
