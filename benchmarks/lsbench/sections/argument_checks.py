@@ -29,7 +29,7 @@ from lsbench.sections import fit_step
 from tf_lossscale import step_arguments
 
 NAME = "checks"
-TITLE = "Argument checks and the eager lock, eager steps"
+TITLE = "Eager costs"
 LOCK = "the eager lock"
 CHECKS = "the argument checks"
 
@@ -92,8 +92,8 @@ def eager_lock_cost(report, settings):
         alone: _repeated(take_lock, _LOCK_TIMES),
     }, settings.step_rounds, 4 * settings.calls))
     medians[alone] /= _LOCK_TIMES
-    _show(report, "Eager DynamicLossScale.update (4 small gradients): the "
-          "lock", medians, "update, no lock")
+    _show(report, f"{TITLE}: the lock, in DynamicLossScale.update (4 small "
+          "gradients)", medians, "update, no lock")
     return medians[alone], medians[alone] / medians["update, no lock"]
 
 
@@ -124,8 +124,9 @@ def step_check_cost(report, settings):
             lambda grads, _: list(grads)),
         "the checks alone": lambda: checked(grads, weights),
     }, settings.step_rounds, 4 * settings.calls))
-    _show(report, f"Eager apply_gradients ({count} variables of 16 values): "
-          "the argument checks", medians, "apply_gradients, checks skipped")
+    _show(report, f"{TITLE}: the argument checks, in apply_gradients "
+          f"({count} variables of 16 values)", medians,
+          "apply_gradients, checks skipped")
     return (medians["the checks alone"], medians["the checks alone"]
             / medians["apply_gradients, checks skipped"])
 
@@ -134,7 +135,8 @@ def run(context):
     """Returns {"eager lock": share, "step checks": share}: each cost's
     share of the eager step it runs in."""
     report, settings = context.report, context.settings
-    report.line(f"\n{NAME}: {TITLE}: each with and without, and alone")
+    report.line(f"\n{NAME}: {TITLE}: the eager lock and the argument "
+                "checks, each with and without, and alone")
     lock_seconds, lock_share = eager_lock_cost(report, settings)
     check_seconds, check_share = step_check_cost(report, settings)
     report.line(f"  shares of the eager step they run in: eager lock "

@@ -33,7 +33,7 @@ from tf_lossscale import gradient_stats
 from tf_lossscale import step_gradient_stats
 
 NAME = "stats"
-TITLE = "LossScaleMonitor(gradient_stats=True), an opt-in feature"
+TITLE = "Gradient statistics (opt-in: LossScaleMonitor(gradient_stats=True))"
 FEATURE = "gradient statistics (opt-in: LossScaleMonitor(gradient_stats=True))"
 
 _MONITOR = "tf_lossscale + LossScaleMonitor"
@@ -43,8 +43,7 @@ _STATS = "tf_lossscale + LossScaleMonitor + statistics"
 def statistics_vs_check(report, settings):
     """Part 1; returns {set name: statistics time / check time} (CPU)."""
     table = report.table(
-        "Gradient statistics alone against the finiteness check, same "
-        "gradients (CPU)", ["gradient set", "check (ms)", "statistics (ms)",
+        f"{TITLE} alone against the finiteness check, same gradients (CPU)", ["gradient set", "check (ms)", "statistics (ms)",
                             "statistics / check"])
     ratios = {}
     scale = tf.constant(gradient_sets.SCALE)
@@ -121,8 +120,8 @@ def run(context):
                 "without them")
     results = {"statistics_vs_check": statistics_vs_check(report, settings)}
     table = report.table(
-        "model.fit with LossScaleMonitor and its gradient statistics, CPU "
-        "time over no loss scaling", ["compile", "monitor", "monitor + "
+        f"{TITLE} in model.fit with LossScaleMonitor, CPU time over no loss "
+        "scaling", ["compile", "monitor", "monitor + "
                                       "statistics", "the statistics"])
     features = report.shared_table(fit_step.FEATURES_TITLE,
                                    fit_step.FEATURES_COLUMNS)
