@@ -1,6 +1,6 @@
 """Side-by-side cost of loss scaling, printed as ratios measured in one run.
 
-Run (one command; about 15 minutes on a quiet 2-core machine):
+Run (one command; about 15 minutes on a quiet 2-core machine, 37 at load 8):
 
     python benchmarks/loss_scale_benchmark.py [--quick] [--only=NAME,...]
         [--rounds=N] [--fit_steps=N] [--fit_rounds=N]
@@ -24,6 +24,11 @@ Sections (`lsbench/sections/`, run in this order; `--only` picks some):
   xla       `model.fit` under XLA, and the XLA record's cost
   replicas  `model.fit` under MirroredStrategy over 2 logical CPUs, and the
             replica agreement's cost (in a child process)
+  stats     the opt-in gradient statistics (`LossScaleMonitor(
+            gradient_stats=True)`): alone against the finiteness check, and
+            in `model.fit` with and without XLA
+  checks    the argument checks and the eager lock (eager work only: no op
+            in a traced step)
 
 `--quick` uses small gradient sets, a 6x16 MLP and one round: it checks that
 everything runs (tests/test_benchmark_quick.py); its figures mean nothing.
@@ -58,9 +63,11 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top,wrong-import-posi
 
 from lsbench import context as context_module  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench import report as report_module  # pylint: disable=g-import-not-at-top,wrong-import-position
+from lsbench.sections import argument_checks  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import apply_path  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import check_unscale_update  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import fit_step  # pylint: disable=g-import-not-at-top,wrong-import-position
+from lsbench.sections import gradient_stats  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import replicas  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import step_ops  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import xla_fit  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -68,7 +75,7 @@ from lsbench.sections import xla_fit  # pylint: disable=g-import-not-at-top,wron
 tf.get_logger().setLevel("ERROR")  # TF's reference is deprecated; it says so.
 
 SECTIONS = (check_unscale_update, apply_path, step_ops, fit_step, xla_fit,
-            replicas)
+            replicas, gradient_stats, argument_checks)
 
 
 def _cpu_model():

@@ -793,11 +793,15 @@ def test_a_copy_has_its_own_lock_and_state():
 def test_hostile_input_costs_benchmark_runs():
     sys.path.insert(0, os.path.join(_PACKAGE_ROOT, "benchmarks"))
     try:
-        import hostile_input_costs  # pylint: disable=g-import-not-at-top
+        # pylint: disable=g-import-not-at-top
+        from lsbench import context as context_module
+        from lsbench import report as report_module
+        from lsbench.sections import argument_checks
     finally:
         sys.path.pop(0)
     out = io.StringIO()
-    shares = hostile_input_costs.run(quick=True, out=out)
+    shares = argument_checks.run(context_module.Context(
+        report_module.Report(out), context_module.Settings(quick=True)))
     assert set(shares) == {"eager lock", "step checks"}
     assert all(share > 0 for share in shares.values())
     printed = out.getvalue()

@@ -26,7 +26,7 @@ Threads: eagerly, each update (`update`, or an optimizer's step updating
 the scale) reads and writes the whole state under a lock, so updates from
 several threads at once are not lost: N threads doing M updates each
 leave the state of N*M updates in a row (in an order no one chooses). It
-costs nothing measurable (`benchmarks/hostile_input_costs.py`).
+costs nothing measurable (`benchmarks/loss_scale_benchmark.py --only=checks`).
 TensorFlow's own `DynamicLossScale` loses such updates. Inside a
 `tf.function`, under XLA and in TF1 graphs nothing is locked: run one
 step at a time on a loss scale there, as with any TensorFlow variables.

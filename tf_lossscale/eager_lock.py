@@ -12,8 +12,8 @@ eagerly. While a graph is built (`tf.function`, a TF1 graph, XLA) there is
 nothing to guard, as the code runs once, at trace time; what the graph does
 when it runs is not serialised by it (see the `DynamicLossScale` docstring).
 Taking an uncontended lock costs about a microsecond, against a millisecond
-or more for the eager update (`benchmarks/hostile_input_costs.py` measures
-both).
+or more for the eager update (`benchmarks/loss_scale_benchmark.py
+--only=checks` measures both).
 
 A copy (`copy.copy`, `copy.deepcopy`, pickling) gets a new, unlocked lock:
 the copy's state is its own.

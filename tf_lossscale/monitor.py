@@ -55,7 +55,8 @@ the last step of each call):
 
 That adds work to every step (a few reads of those gradients, and under a
 strategy one all-gather of three floats per replica; measured in
-`benchmarks/gradient_stats_cost.py`) and one more read per batch end. The monitor re-makes the model's train function
+`benchmarks/loss_scale_benchmark.py --only=stats`) and one more read per
+batch end. The monitor re-makes the model's train function
 (`make_train_function(force=True)`: one more trace) when training begins,
 so the step records them, and again when it ends, so later steps do not.
 

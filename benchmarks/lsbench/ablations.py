@@ -13,8 +13,8 @@ is what that feature costs (`sections.fit_step`, `sections.xla_fit`,
 | the unscale | `StepParts.unscale` | hands the scaled gradients on |
 | the replica agreement | `StepParts.agree` | replica 0's flag decides |
 | the overflow record | `LossScaleOptimizer._skip_record` | records nothing |
-| the state check and policies | `DynamicLossScale._check_state`, `_apply_failure_policy` | checks nothing, no policy |
-| the XLA record | `DynamicLossScale._xla_events` | the rule alone: no record, no host read |
+| the state check and policies | `DynamicLossScale._update_from_all_finite` | the rule alone: no check, no policy |
+| the XLA record | `DynamicLossScale._xla_record` (`xla_record.StepRecord`) | the rule alone: no record, no halt |
 
 The ablated steps are wrong on purpose (they apply non-finite steps, scaled
 gradients, ...): they exist to be timed.
@@ -30,7 +30,9 @@ import tf_lossscale
 from lsbench import gradient_sets
 from lsbench import op_counts
 from tf_lossscale import distribution
+from tf_lossscale import loss_scale as loss_scale_module
 from tf_lossscale import loss_scaled_step
+from tf_lossscale import xla_record
 
 
 def _no_unscale(grads, variables, scale):
@@ -74,22 +76,32 @@ class NoOverflowRecord(tf_lossscale.LossScaleOptimizer):
 
 
 class UncheckedDynamicLossScale(tf_lossscale.DynamicLossScale):
-    """No state check and no failure policy (outside XLA)."""
+    """Outside XLA: the scale's update (`_update_from_all_finite`, what the
+    step calls) without the state check and the failure policy: the rule
+    moves the state, and `should_apply` waits for its assignments."""
 
-    def _check_state(self, state):
-        return None
+    def _update_from_all_finite(self, all_finite, *, gated=True):
+        if xla_record.in_xla_context():
+            return super()._update_from_all_finite(all_finite, gated=gated)
+        all_finite = tf.convert_to_tensor(all_finite)
+        new_state, _ = loss_scale_module.next_dynamic_state(
+            self._read_state(), all_finite, self._rule)
+        assignments = self._assign_state(new_state)
+        if tf.executing_eagerly():
+            return None, all_finite
+        with tf.control_dependencies(assignments):
+            should_apply = tf.identity(all_finite)
+        return tf.group(assignments), should_apply
 
-    def _apply_failure_policy(self, new_state, at_floor):
-        return []
 
-
-class _RuleOnly:
-    """In place of `xla_checks.StepEvents`: the rule, nothing recorded."""
-
-    record = None
+class _RuleOnly(xla_record.StepRecord):
+    """In place of the loss scale's `xla_record.StepRecord`: under XLA the
+    rule alone moves the scale; no record is read or written, and no halt is
+    read back (`halted` is None, so the step holds no branch on it)."""
 
     def update(self, state, all_finite, valid, next_state, assign):
         del valid
+        self.check_watched()
         new_state, _ = next_state(state, all_finite)
         assignments = assign(new_state)
         with tf.control_dependencies(assignments):
@@ -99,20 +111,17 @@ class _RuleOnly:
     def halted(self):
         return None
 
-    def engaged(self):
-        return contextlib.nullcontext()
-
-    def act(self):
-        pass
-
 
 class UnrecordedDynamicLossScale(tf_lossscale.DynamicLossScale):
-    """Under XLA: the rule alone, without the record of failures and
-    warnings and without the host's read after each call."""
+    """Under XLA: the rule alone, without the record of refusals, failures
+    and warnings, and without the halt read after the update."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._xla_events = _RuleOnly()
+        record = self._xla_record
+        self._xla_record = _RuleOnly(record.fields, record.floor,
+                                     record.hysteresis, record.policy,
+                                     record.limit)
 
 
 def _with_loss_scale(loss_scale_class):
@@ -163,7 +172,8 @@ ABLATIONS = (
     Ablation("the state check and policies",
              _with_loss_scale(UncheckedDynamicLossScale), ("Assert", "If")),
     Ablation("the XLA record", _with_loss_scale(UnrecordedDynamicLossScale),
-             ("ConcatV2", "StridedSlice", "If"), where="xla"),
+             ("ConcatV2", "StridedSlice", "Bitcast", "AssignVariableOp", "If"),
+             where="xla"),
     Ablation("the replica agreement", _wrapper(NoAgreement),
              ("AddN", "Equal"), where="replicas"),
 )

@@ -17,8 +17,6 @@ import collections
 
 import tensorflow as tf
 
-from tf_lossscale import xla_checks
-
 _NOT_COUNTED = ("Placeholder",)
 
 
@@ -55,10 +53,10 @@ def traced_apply(optimizer, grads, variables, jit_compile=False,
         else:
             strategy.run(apply)
 
-    # A compiled step of ours needs its host-side checks engaged (our own
-    # API: tf_lossscale.xla_checks); other optimizers have none.
-    with xla_checks.engaged(optimizer):
-        return op_types(step)
+    # Under XLA a loss scale whose policy asks for failures or warnings may
+    # only be traced while a watch of it is live (tf_lossscale.xla_checks);
+    # the default one, traced here, needs none.
+    return op_types(step)
 
 
 def removed(full, ablated):
