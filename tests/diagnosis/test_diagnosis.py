@@ -13,8 +13,6 @@ run in a `TF_USE_LEGACY_KERAS=1` subprocess.
 
 import json
 import math
-import os
-import subprocess
 import sys
 
 import keras
@@ -28,12 +26,10 @@ from tf_lossscale import diagnosis
 
 from tests.support import float16_models  # pylint: disable=g-bad-import-order
 from tests.support import strategies  # pylint: disable=g-bad-import-order
-from tests.support import paths
+from tests.support import subprocesses
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
 
-# Bounds a hung subprocess, not a speed requirement.
-_TIMEOUT_SECONDS = 600
 # Fewer scales than the default where a test needs no more: CI time.
 _SCALES = [2.0**k for k in range(0, 33, 2)]
 
@@ -453,16 +449,8 @@ def test_sample_weights_weight_the_loss():
 
 
 def test_tf_keras_models_are_diagnosed_in_a_tf_keras_process():
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="1")
-    package_root = os.path.dirname(os.path.dirname(tf_lossscale.__file__))
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (package_root, env.get("PYTHONPATH")) if p)
-    done = subprocess.run(
-        [sys.executable, paths.script("tf_keras_float16_diagnosis.py")],
-        env=env, cwd=paths.SUPPORT, capture_output=True, text=True,
-        timeout=_TIMEOUT_SECONDS, check=False)
-    assert done.returncode == 0, done.stderr[-6000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
+    results = subprocesses.run_script("tf_keras_float16_diagnosis.py",
+                                      TF_USE_LEGACY_KERAS="1")
 
     assert set(results) == {
         "diagnosis_leaves_the_model_as_it_was",

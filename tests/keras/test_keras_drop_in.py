@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import strategies
 from tests.fixtures import make_fixtures
+from tests.support import strategies
 from tests.support.keras_models import tiny_model
+from tests.support.variables import values_of
 from tf_lossscale import LossScaleOptimizer
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
@@ -26,10 +27,6 @@ pytestmark = pytest.mark.usefixtures("keras_isolation")
 
 def _batch(step=0, finite=True):
     return make_fixtures.batch(step, finite)
-
-
-def _values(variables):
-    return [np.asarray(v.numpy()) for v in variables]
 
 
 def _assert_all_equal(actual, expected):
@@ -176,7 +173,7 @@ def _trained_weights(optimizer, steps=3):
     model.compile(optimizer=optimizer, loss="mse")
     for step in range(steps):
         model.train_on_batch(*(v * 100 for v in _batch(step)))
-    return _values(model.weights)
+    return values_of(model.weights)
 
 
 @pytest.mark.parametrize("name, value", [
@@ -263,7 +260,7 @@ def test_still_scaled_gradients_are_refused_and_nothing_changes(use_function):
     model = tiny_model()
     optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1))
     optimizer.build(model.trainable_variables)
-    before = _values(model.weights + optimizer.variables)
+    before = values_of(model.weights + optimizer.variables)
 
     def step():
         grads = _gradients_of_scaled_loss(model, optimizer)
@@ -271,7 +268,7 @@ def test_still_scaled_gradients_are_refused_and_nothing_changes(use_function):
 
     with pytest.raises(ValueError, match="get_unscaled_gradients"):
         (tf.function(step) if use_function else step)()
-    _assert_all_equal(_values(model.weights + optimizer.variables), before)
+    _assert_all_equal(values_of(model.weights + optimizer.variables), before)
 
 
 def test_unscaled_gradients_after_a_refused_step_are_applied():
@@ -316,9 +313,9 @@ def test_plain_checkpoint_resumes_under_the_wrapper(tmp_path):
     tf.train.Checkpoint(model=wrapped, optimizer=wrapped.optimizer).read(
         path).expect_partial()
 
-    _assert_all_equal(_values(wrapped.weights), _values(plain.weights))
-    _assert_all_equal(_values(wrapped.optimizer.inner_optimizer.variables),
-                      _values(plain.optimizer.variables))
+    _assert_all_equal(values_of(wrapped.weights), values_of(plain.weights))
+    _assert_all_equal(values_of(wrapped.optimizer.inner_optimizer.variables),
+                      values_of(plain.optimizer.variables))
     assert int(wrapped.optimizer.iterations) == 3
     assert float(wrapped.optimizer.loss_scale()) == 2.0**8
     _train_steps(wrapped, 1, first=3)
@@ -340,8 +337,8 @@ def test_keras_wrapper_checkpoint_restores_inner_state(tmp_path):
     tf.train.Checkpoint(model=ours, optimizer=ours.optimizer).read(
         path).expect_partial()
 
-    _assert_all_equal(_values(ours.optimizer.inner_optimizer.variables),
-                      _values(theirs.optimizer.inner_optimizer.variables))
+    _assert_all_equal(values_of(ours.optimizer.inner_optimizer.variables),
+                      values_of(theirs.optimizer.inner_optimizer.variables))
     assert int(ours.optimizer.iterations) == int(theirs.optimizer.iterations)
     assert float(ours.optimizer.loss_scale()) == 2.0**8
 
@@ -360,9 +357,9 @@ def test_wrapped_checkpoint_restores_into_a_plain_optimizer(tmp_path):
     tf.train.Checkpoint(model=plain, optimizer=plain.optimizer).read(
         path).expect_partial().assert_existing_objects_matched()
 
-    _assert_all_equal(_values(plain.weights), _values(wrapped.weights))
-    _assert_all_equal(_values(plain.optimizer.variables),
-                      _values(wrapped.optimizer.inner_optimizer.variables))
+    _assert_all_equal(values_of(plain.weights), values_of(wrapped.weights))
+    _assert_all_equal(values_of(plain.optimizer.variables),
+                      values_of(wrapped.optimizer.inner_optimizer.variables))
     assert int(plain.optimizer.iterations) == int(
         wrapped.optimizer.iterations) > 0
     assert float(plain.optimizer.learning_rate) == pytest.approx(0.01)
@@ -384,7 +381,7 @@ def test_wrapped_checkpoint_round_trips_loss_scale_and_inner_state(tmp_path):
     def saved_state(optimizer):
         # All but which variables overflowed last: a diagnostic that
         # checkpoints leave out (see tf_lossscale.optimizer_saving).
-        return _values(optimizer.inner_optimizer.variables
+        return values_of(optimizer.inner_optimizer.variables
                        + list(optimizer.loss_scale.variables)
                        + [optimizer.skipped_steps])
 
@@ -440,8 +437,8 @@ def test_optimizer_created_under_a_strategy_refuses_to_step_outside_it():
         optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1))
         optimizer.build(model.trainable_variables)
     grads = [tf.zeros_like(v) for v in model.trainable_variables]
-    before = _values(model.weights + optimizer.variables)
+    before = values_of(model.weights + optimizer.variables)
 
     with pytest.raises(ValueError, match="created under MirroredStrategy"):
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
-    _assert_all_equal(_values(model.weights + optimizer.variables), before)
+    _assert_all_equal(values_of(model.weights + optimizer.variables), before)

@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.support import data
 from tests.support import keras_models
 from tests.support import strategies
+from tests.support.variables import values_of
 import tf_lossscale
 from tf_lossscale import LossScaleOptimizer
 
@@ -22,16 +24,6 @@ _BATCH_SIZE = 8
 
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
-
-
-def _model(seed=0):
-    return keras_models.tiny_model(seed)
-
-
-def _data(seed=0):
-    rng = np.random.default_rng(seed)
-    return (rng.normal(size=(_BATCH_SIZE, 3)).astype(np.float32),
-            rng.normal(size=(_BATCH_SIZE, 1)).astype(np.float32))
 
 
 def _sgd():
@@ -49,10 +41,6 @@ def _fit_one_batch(model, x, y):
               verbose=0, callbacks=callbacks)
 
 
-def _values(variables):
-    return [v.numpy() for v in variables]
-
-
 def _reference_scale_after(loss_scale_config, finite_steps):
     reference = tf.compat.v1.mixed_precision.DynamicLossScale(
         **loss_scale_config)
@@ -65,7 +53,7 @@ def test_compile_under_mixed_float16_keeps_our_optimizer():
     keras.mixed_precision.set_global_policy("mixed_float16")
     optimizer = LossScaleOptimizer(keras.optimizers.SGD())
     plain = keras.optimizers.SGD()
-    model, plain_model = _model(), _model()
+    model, plain_model = keras_models.tiny_model(), keras_models.tiny_model()
 
     model.compile(optimizer=optimizer, loss="mse")
     plain_model.compile(optimizer=plain, loss="mse")
@@ -89,17 +77,17 @@ def test_mixed_float16_fit_matches_float32_and_skips_non_finite_batch(
         compile_args):
     loss_scale_config = {"initial_loss_scale": 2.0**8,
                          "increment_period": 2, "multiplier": 2.0}
-    x, y = _data()
+    x, y = data.normal_data(_BATCH_SIZE)
     keras.mixed_precision.set_global_policy("float32")
-    float32_model = _model()
-    initial_weights = _values(float32_model.weights)
+    float32_model = keras_models.tiny_model()
+    initial_weights = values_of(float32_model.weights)
     float32_model.compile(_sgd(), "mse", **compile_args)
     _fit_one_batch(float32_model, x, y)
     float32_update = [w.numpy() - w0 for w, w0 in
                       zip(float32_model.weights, initial_weights)]
 
     keras.mixed_precision.set_global_policy("mixed_float16")
-    model = _model()
+    model = keras_models.tiny_model()
     optimizer = LossScaleOptimizer(
         _sgd(), tf_lossscale.DynamicLossScale(**loss_scale_config))
     model.compile(optimizer, "mse", **compile_args)
@@ -115,8 +103,8 @@ def test_mixed_float16_fit_matches_float32_and_skips_non_finite_batch(
     assert int(optimizer.iterations.numpy()) == 1
     assert int(optimizer.skipped_steps) == 0
 
-    weights = _values(model.weights)
-    slots = _values(optimizer.inner_optimizer.variables)
+    weights = values_of(model.weights)
+    slots = values_of(optimizer.inner_optimizer.variables)
     x_nan = x.copy()
     x_nan[3, 1] = _NAN
     _fit_one_batch(model, x_nan, y)
@@ -148,7 +136,7 @@ def _local_values(strategy, variable):
 
 def _poisoned_batch(strategy, nan_replica):
     """A batch whose NaN only `nan_replica` sees."""
-    x, y = _data(seed=1)
+    x, y = data.normal_data(_BATCH_SIZE, seed=1)
     x[_BATCH_SIZE // 2 * nan_replica + 1, 0] = _NAN
     parts = _replica_parts(strategy, x)
     assert [np.isnan(p).any() for p in parts] == [
@@ -158,7 +146,7 @@ def _poisoned_batch(strategy, nan_replica):
 
 def _compiled_mirrored_model(strategy, make_optimizer):
     with strategy.scope():
-        model = _model()
+        model = keras_models.tiny_model()
         optimizer = make_optimizer()
         model.compile(optimizer, "mse")
     return model, optimizer
@@ -174,7 +162,7 @@ def test_nan_on_one_replica_skips_the_step_on_all_replicas(nan_replica):
         strategy, lambda: LossScaleOptimizer(
             keras.optimizers.SGD(0.1, momentum=0.9),
             tf_lossscale.DynamicLossScale(**loss_scale_config)))
-    _fit_one_batch(model, *_data())
+    _fit_one_batch(model, *data.normal_data(_BATCH_SIZE))
     x, y = _poisoned_batch(strategy, nan_replica)
     state = model.weights + optimizer.inner_optimizer.variables
     before = [_local_values(strategy, v) for v in state]
@@ -208,7 +196,7 @@ def test_keras_own_loss_scale_optimizer_misses_nan_on_replica_one():
         strategy, lambda: keras.mixed_precision.LossScaleOptimizer(
             keras.optimizers.SGD(0.1, momentum=0.9), initial_scale=8.0,
             dynamic_growth_steps=3))
-    _fit_one_batch(model, *_data())
+    _fit_one_batch(model, *data.normal_data(_BATCH_SIZE))
     scale = float(optimizer.dynamic_scale.numpy())
     x, y = _poisoned_batch(strategy, nan_replica=1)
 
@@ -221,7 +209,7 @@ def test_keras_own_loss_scale_optimizer_misses_nan_on_replica_one():
 
 
 def test_finite_fit_step_under_mirrored_strategy_matches_one_device():
-    x, y = _data()
+    x, y = data.normal_data(_BATCH_SIZE)
 
     def make_optimizer():
         return LossScaleOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
@@ -229,7 +217,7 @@ def test_finite_fit_step_under_mirrored_strategy_matches_one_device():
 
     strategy = strategies.mirrored(len(_REPLICA_DEVICES))
     mirrored_model, _ = _compiled_mirrored_model(strategy, make_optimizer)
-    single_model = _model()
+    single_model = keras_models.tiny_model()
     single_model.compile(make_optimizer(), "mse")
 
     for _ in range(2):

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.support import data
 from tests.support import keras_models
+from tests.support.variables import values_of
 import tf_lossscale
 from tf_lossscale import LossScaleOptimizer
 
@@ -29,10 +31,6 @@ def _sgd():
     return keras.optimizers.SGD(learning_rate=0.1)
 
 
-def _model(seed=0):
-    return keras_models.tiny_model(seed, hidden_units=2)
-
-
 def _reference_step(model, optimizer, x, y):
     """A plain, unscaled step: what a finite scaled step must reproduce."""
     with tf.GradientTape() as tape:
@@ -42,18 +40,8 @@ def _reference_step(model, optimizer, x, y):
         model.trainable_variables))
 
 
-def _data(seed=0, batch_size=4):
-    rng = np.random.default_rng(seed)
-    return (rng.normal(size=(batch_size, 3)).astype(np.float32),
-            rng.normal(size=(batch_size, 1)).astype(np.float32))
-
-
 def _loss(model, x, y):
     return tf.reduce_mean(tf.square(model(x) - y))
-
-
-def _values(variables):
-    return [v.numpy() for v in variables]
 
 
 def _assert_all_equal(actual, expected):
@@ -141,8 +129,8 @@ def test_keras_style_arguments_match_keras_loss_scale_optimizer(
 def test_loss_scale_is_callable_for_the_current_scale():
     optimizer = LossScaleOptimizer(
         _sgd(), tf_lossscale.DynamicLossScale(4.0, 1))
-    model = _model()
-    x, y = _data()
+    model = keras_models.tiny_model(hidden_units=2)
+    x, y = data.normal_data(4)
 
     scale = optimizer.loss_scale()
     with tf.GradientTape() as tape:
@@ -172,7 +160,8 @@ def test_inner_optimizer_learning_rate_and_iterations_are_the_inner_ones():
 
 def test_variables_are_listed_once():
     optimizer = LossScaleOptimizer(keras.optimizers.Adam())
-    optimizer.build(_model().trainable_variables)
+    model = keras_models.tiny_model(hidden_units=2)
+    optimizer.build(model.trainable_variables)
 
     ids = [id(v) for v in optimizer.variables]
 
@@ -250,90 +239,6 @@ def test_inner_optimizer_with_its_own_loss_scale_factor_is_rejected():
 
 
 # ---------------------------------------------------------------------------
-# Scaling and unscaling.
-
-
-@pytest.mark.parametrize("dtype",
-                         [tf.float16, tf.bfloat16, tf.float32, tf.float64])
-def test_get_scaled_loss_multiplies_by_scale_and_keeps_dtype(dtype):
-    optimizer = LossScaleOptimizer(_sgd(), loss_scale=8)
-    loss = tf.constant(3.0, dtype)
-
-    scaled = optimizer.get_scaled_loss(loss)
-
-    assert scaled.dtype == dtype
-    assert float(scaled) == 3.0 * float(optimizer.loss_scale())
-
-
-def test_get_scaled_loss_of_callable_is_callable_evaluated_on_call():
-    optimizer = LossScaleOptimizer(_sgd(), loss_scale=8)
-    calls = []
-
-    def loss():
-        calls.append(1)
-        return tf.constant(3.0)
-
-    scaled = optimizer.get_scaled_loss(loss)
-
-    assert callable(scaled)
-    assert not calls
-    assert float(scaled()) == 3.0 * 8
-
-
-def test_scale_loss_multiplies_by_current_scale():
-    optimizer = LossScaleOptimizer(
-        _sgd(), tf_lossscale.DynamicLossScale(16.0))
-
-    assert float(optimizer.scale_loss(tf.constant(0.5))) == 8.0
-
-
-def test_get_unscaled_gradients_keeps_structure_dtypes_none_and_slices():
-    optimizer = LossScaleOptimizer(_sgd(), loss_scale=4)
-    grads = [
-        tf.constant([8.0, -2.0], tf.float16),
-        None,
-        tf.IndexedSlices(tf.constant([[4.0, 12.0]], tf.float32),
-                         tf.constant([1]), tf.constant([3, 2])),
-        tf.constant(1.0, tf.float64),
-        tf.constant([2.0], tf.bfloat16),
-    ]
-
-    unscaled = optimizer.get_unscaled_gradients(grads)
-
-    assert isinstance(unscaled, list) and len(unscaled) == len(grads)
-    assert unscaled[1] is None
-    for grad, result in zip(grads, unscaled):
-        if grad is None:
-            continue
-        assert type(result) is type(grad)
-        if isinstance(grad, tf.IndexedSlices):
-            np.testing.assert_array_equal(result.indices, grad.indices)
-            np.testing.assert_array_equal(result.dense_shape,
-                                          grad.dense_shape)
-            result, grad = result.values, grad.values
-        assert result.dtype == grad.dtype
-        np.testing.assert_array_equal(
-            result.numpy().astype(np.float64),
-            grad.numpy().astype(np.float64) / 4)
-
-
-def test_float16_gradients_unscale_correctly_above_the_float16_range():
-    # A dynamic scale can grow past the float16 maximum (65504); dividing by
-    # it in float16 would flush every gradient to zero.
-    scale = 2.0**20
-    optimizer = LossScaleOptimizer(_sgd(), loss_scale=scale)
-    grad = tf.constant([1024.0, -2.0], tf.float16)
-
-    unscaled, = optimizer.get_unscaled_gradients([grad])
-
-    assert unscaled.dtype == tf.float16
-    np.testing.assert_array_equal(
-        unscaled.numpy(), (grad.numpy().astype(np.float64) / scale)
-        .astype(np.float16))
-    assert np.all(unscaled.numpy() != 0)
-
-
-# ---------------------------------------------------------------------------
 # Custom training loops: the Keras 3 and the TF 2.x protocol.
 
 
@@ -393,12 +298,12 @@ def test_custom_loop_applies_finite_steps_and_skips_non_finite_ones(
         protocol, use_function, make_inner):
     loss_scale_config = {"initial_loss_scale": 2.0**10,
                          "increment_period": 2, "multiplier": 2.0}
-    model = _model()
+    model = keras_models.tiny_model(hidden_units=2)
     optimizer = LossScaleOptimizer(
         make_inner(), tf_lossscale.DynamicLossScale(**loss_scale_config))
     train_step = _make_train_step(model, optimizer, protocol, use_function)
     # The same model trained by the inner optimizer alone, finite steps only.
-    reference_model = _model()
+    reference_model = keras_models.tiny_model(hidden_units=2)
     reference_optimizer = make_inner()
     expected_scales = _reference_scales(
         loss_scale_config, [step == _FINITE for step in _STEPS])
@@ -406,14 +311,14 @@ def test_custom_loop_applies_finite_steps_and_skips_non_finite_ones(
 
     for step, step_kind in enumerate(_STEPS):
         nan_in_input, poisoned, value = step_kind
-        x, y = _data(seed=step)
+        x, y = data.normal_data(4, seed=step)
         if nan_in_input:
             x[0, 0] = _NAN
         poison = np.zeros(num_vars, np.float32)
         if poisoned is not None:
             poison[poisoned] = value
-        weights_before = _values(model.weights)
-        slots_before = _values(optimizer.inner_optimizer.variables)
+        weights_before = values_of(model.weights)
+        slots_before = values_of(optimizer.inner_optimizer.variables)
         iterations_before = int(optimizer.iterations)
         skipped_before = int(optimizer.skipped_steps)
 
@@ -442,11 +347,11 @@ def test_fixed_loss_scale_applies_non_finite_gradients(protocol):
     # waiting, so it never asks to skip.
     _, reference_should_apply = tf.compat.v1.mixed_precision.FixedLossScale(
         8.0).update([tf.constant(_INF)])
-    model = _model()
+    model = keras_models.tiny_model(hidden_units=2)
     optimizer = LossScaleOptimizer(_sgd(), loss_scale=8)
     train_step = _make_train_step(model, optimizer, protocol,
                                   use_function=False)
-    x, y = _data()
+    x, y = data.normal_data(4)
     poison = np.zeros(len(model.trainable_variables), np.float32)
     poison[-1] = _INF
 
@@ -462,8 +367,8 @@ def test_fixed_loss_scale_applies_non_finite_gradients(protocol):
 def test_apply_gradients_follows_the_protocol_of_the_last_scaling_call():
     # The same optimizer used with both protocols in turn must unscale the
     # gradients exactly once each time.
-    model = _model()
-    reference_model = _model()
+    model = keras_models.tiny_model(hidden_units=2)
+    reference_model = keras_models.tiny_model(hidden_units=2)
     reference_optimizer = _sgd()
     optimizer = LossScaleOptimizer(_sgd(), loss_scale=64)
     steps = [_make_train_step(model, optimizer, protocol, use_function)
@@ -472,7 +377,7 @@ def test_apply_gradients_follows_the_protocol_of_the_last_scaling_call():
     no_poison = tf.zeros(len(model.trainable_variables))
 
     for step, train_step in enumerate(steps + steps):
-        x, y = _data(seed=step)
+        x, y = data.normal_data(4, seed=step)
         train_step(tf.constant(x), tf.constant(y), no_poison)
         _reference_step(reference_model, reference_optimizer, x, y)
 
@@ -517,7 +422,7 @@ def test_sparse_embedding_gradients_are_unscaled_and_checked(protocol):
     train_step(tf.constant(0.0))
     _reference_step(reference_model, reference_optimizer, x, y)
     _assert_all_equal(model.weights, reference_model.weights)
-    weights = _values(model.weights)
+    weights = values_of(model.weights)
 
     train_step(tf.constant(_INF))
 

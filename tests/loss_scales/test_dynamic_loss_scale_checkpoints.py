@@ -35,10 +35,6 @@ PARAMS = {
 }
 
 
-def _rng(*key):
-    return np.random.default_rng([SEED, *key])
-
-
 def _warm_up_sequence(rng, params):
     """Steps that leave a changed scale and an unfinished period behind."""
     period = params["increment_period"]
@@ -102,7 +98,7 @@ def _assert_runs_agree(run, context):
 @pytest.mark.parametrize("name", sorted(PARAMS))
 def test_checkpoint_of_ours_restores_into_reference(name, tmp_path):
     params = PARAMS[name]
-    rng = _rng(0, sorted(PARAMS).index(name))
+    rng = oracle.keyed_rng(SEED, 0, sorted(PARAMS).index(name))
     ours = tf_lossscale.DynamicLossScale(**params)
     _step([ours], _warm_up_sequence(rng, params))
     _assert_nontrivial_state(ours(), int(ours.good_steps), params)
@@ -123,7 +119,7 @@ def test_checkpoint_of_ours_restores_into_reference(name, tmp_path):
 @pytest.mark.parametrize("name", sorted(PARAMS))
 def test_checkpoint_of_reference_restores_into_ours(name, tmp_path):
     params = PARAMS[name]
-    rng = _rng(1, sorted(PARAMS).index(name))
+    rng = oracle.keyed_rng(SEED, 1, sorted(PARAMS).index(name))
     reference = oracle.reference_dynamic(**params)
     _step([reference], _warm_up_sequence(rng, params))
     reference_path = _write(reference, tmp_path, "reference")
@@ -147,7 +143,7 @@ def test_checkpoint_of_reference_restores_into_ours(name, tmp_path):
 def test_restored_copy_continues_where_original_would_have(
         name, attach_after_restore, tmp_path):
     params = PARAMS[name]
-    rng = _rng(2, sorted(PARAMS).index(name))
+    rng = oracle.keyed_rng(SEED, 2, sorted(PARAMS).index(name))
     original = tf_lossscale.DynamicLossScale(**params)
     _step([original], _warm_up_sequence(rng, params))
     _assert_nontrivial_state(original(), int(original.good_steps), params)
@@ -251,7 +247,7 @@ def _trainer_steps(rng, pattern):
 
 def test_saved_model_keeps_updating_the_restored_state(tmp_path):
     params = PARAMS["small_multiplier_three"]
-    rng = _rng(3)
+    rng = oracle.keyed_rng(SEED, 3)
     trainer = _Trainer(tf_lossscale.DynamicLossScale(**params))
     for dense, rows in _trainer_steps(rng, [True, False, True, True]):
         trainer.step(dense, rows)

@@ -38,10 +38,6 @@ FAILING_STEPS = 30
 MODES = ("eager", "tf_function", "tf1_graph")
 
 
-def _rng(*key):
-    return np.random.default_rng([SEED, *key])
-
-
 def _gradient_value(rng, finite):
     return 1.0 if finite else NON_FINITE[rng.integers(len(NON_FINITE))]
 
@@ -181,7 +177,8 @@ _BATCH_RUNNERS = {
                          ids=["continue", "continue_or_warn"])
 @pytest.mark.parametrize("mode", MODES)
 def test_random_rules_match_the_model_step_by_step(mode, policies):
-    batch = _Batch(_rng(0, MODES.index(mode), len(policies)), policies)
+    batch = _Batch(
+        oracle.keyed_rng(SEED, 0, MODES.index(mode), len(policies)), policies)
     for args in batch.arguments:
         args.pop("max_consecutive_skips", None)
     loss_scales, states, flags = _BATCH_RUNNERS[mode](batch)
@@ -279,7 +276,7 @@ _FAILURE_WORDS = {"raise": "on_min_loss_scale=raise",
 @pytest.mark.parametrize("index", range(FAILING_SEQUENCES))
 @pytest.mark.parametrize("mode", MODES)
 def test_random_rules_fail_exactly_where_the_model_fails(mode, index):
-    args, values = _failing_sequence(_rng(1, index))
+    args, values = _failing_sequence(oracle.keyed_rng(SEED, 1, index))
     expected_states, expected_failure = _expected_until_failure(
         args, values, mode)
     loss_scale, step, read, cleanup = _stepper(mode, args)
@@ -323,8 +320,10 @@ def _model_at(args, values, num_steps, mode):
 
 def test_failing_sequences_cover_both_failures_and_a_clean_run():
     # Guards that the seeded sequences above exercise what they claim.
-    failures = {_expected_until_failure(*_failing_sequence(_rng(1, i)))[1]
-                for i in range(FAILING_SEQUENCES)}
+    failures = {
+        _expected_until_failure(
+            *_failing_sequence(oracle.keyed_rng(SEED, 1, i)))[1]
+        for i in range(FAILING_SEQUENCES)}
     assert {"raise", "max_consecutive_skips"} <= failures
 
 
@@ -396,7 +395,7 @@ def test_backoff_factor_none_divides_like_tf_while_a_factor_multiplies():
 
 @pytest.mark.parametrize("mode", ["eager", "tf_function"])
 def test_explicit_default_arguments_are_tf_reference_bit_for_bit(mode):
-    rng = _rng(2, ("eager", "tf_function").index(mode))
+    rng = oracle.keyed_rng(SEED, 2, ("eager", "tf_function").index(mode))
     params = {"initial_loss_scale": 3.0e5, "increment_period": 3,
               "multiplier": 1.7}
     explicit = dict(params, backoff_factor=None, min_loss_scale=1.0,

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.support import data
 from tests.support import dynamic_rule_model as model_lib
 from tests.support import keras_models
 from tests.support import reference_oracle as oracle
@@ -38,10 +39,6 @@ _CONFIGS = {
 _FIXED_SKIPPING = {"class_name": "FixedLossScale",
                    "config": {"loss_scale_value": 1.0,
                               "skip_non_finite": True}}
-
-
-def _rng(*key):
-    return np.random.default_rng([SEED, *key])
 
 
 @pytest.mark.parametrize("name", _CONFIGS)
@@ -136,7 +133,7 @@ def test_checkpoint_holds_every_state_variable_under_its_name(tmp_path):
 
 
 def test_restore_mid_sequence_continues_bit_for_bit(tmp_path):
-    rng = _rng(0)
+    rng = oracle.keyed_rng(SEED, 0)
     original = tf_lossscale.DynamicLossScale(**_CHECKPOINT_RULE)
     warm_up = [True, False, False, True, False, True, True, False]
     _run(original, warm_up)
@@ -185,17 +182,9 @@ def test_tf_reference_checkpoint_restores_into_a_rule_with_more_state(
 # .keras files.
 
 
-def _data(seed, nan=False):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(8, 3)).astype(np.float32)
-    if nan:
-        x[0, 0] = np.nan
-    return x, rng.normal(size=(8, 1)).astype(np.float32)
-
-
 def _fit(model, seed, nan=False):
-    model.fit(*_data(seed, nan), batch_size=8, epochs=1, shuffle=False,
-              verbose=0)
+    model.fit(*data.normal_data(8, seed=seed, nan_batches=[0] if nan else []),
+              batch_size=8, epochs=1, shuffle=False, verbose=0)
 
 
 @pytest.mark.usefixtures("keras_isolation")

@@ -64,10 +64,6 @@ TOTAL_COMPARED_STEPS = (
 MODES = tuple(oracle.RUNNERS)
 
 
-def _rng(*key):
-    return np.random.default_rng([SEED, *key])
-
-
 def _ours_and_reference(params):
     return [lambda: tf_lossscale.DynamicLossScale(**params),
             lambda: oracle.reference_dynamic(**params)]
@@ -104,20 +100,22 @@ class TestRandomizedParity:
     ])
     def test_eager_matches_reference_for_extreme_parameters(self, index):
         sequence = oracle.random_sequence(
-            _rng(0, index), EAGER_STEPS, params=EXTREME_PARAMS[index],
-            fixed_structure=False)
+            oracle.keyed_rng(SEED, 0, index), EAGER_STEPS,
+            params=EXTREME_PARAMS[index], fixed_structure=False)
         run = _run_and_assert_parity("eager", sequence)
         _assert_update_op_type("eager", run)
 
     @pytest.mark.parametrize("index", range(EAGER_RANDOM_SEQUENCES))
     def test_eager_matches_reference_for_random_parameters(self, index):
         sequence = oracle.random_sequence(
-            _rng(1, index), EAGER_STEPS, fixed_structure=False)
+            oracle.keyed_rng(SEED, 1, index), EAGER_STEPS,
+            fixed_structure=False)
         _run_and_assert_parity("eager", sequence)
 
     @pytest.mark.parametrize("index", range(TF_FUNCTION_SEQUENCES))
     def test_tf_function_matches_reference(self, index):
-        sequence = oracle.random_sequence(_rng(2, index), TF_FUNCTION_STEPS)
+        sequence = oracle.random_sequence(oracle.keyed_rng(SEED, 2, index),
+                                          TF_FUNCTION_STEPS)
         run = _run_and_assert_parity("tf_function", sequence)
         # The loss scale must not force a retrace per step: its state lives
         # in variables, not in Python values baked into the trace.
@@ -126,13 +124,14 @@ class TestRandomizedParity:
 
     @pytest.mark.parametrize("index", range(TF1_GRAPH_SEQUENCES))
     def test_tf1_graph_session_matches_reference(self, index):
-        sequence = oracle.random_sequence(_rng(3, index), TF1_GRAPH_STEPS)
+        sequence = oracle.random_sequence(oracle.keyed_rng(SEED, 3, index),
+                                          TF1_GRAPH_STEPS)
         run = _run_and_assert_parity("tf1_graph", sequence)
         _assert_update_op_type("tf1_graph", run)
 
     @pytest.mark.parametrize("mode", LONG_MODES)
     def test_default_length_period_grows_like_reference(self, mode):
-        rng = _rng(4, LONG_MODES.index(mode))
+        rng = oracle.keyed_rng(SEED, 4, LONG_MODES.index(mode))
         template = oracle.random_template_with_element(rng)
         # One early overflow, then only finite steps: the scales must grow
         # exactly at the 2000th and 4000th good step after it.

@@ -19,6 +19,8 @@ import tf_lossscale
 from tf_lossscale import keras_compat
 from tf_lossscale import monitor
 
+from tests.support import data  # pylint: disable=g-bad-import-order
+from tests.support import keras_models  # pylint: disable=g-bad-import-order
 from tests.support import strategies  # pylint: disable=g-bad-import-order
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
@@ -29,33 +31,9 @@ _STEPS_PER_EPOCH = 8
 _EPOCHS = 3
 
 
-def _data(steps=_STEPS_PER_EPOCH, nan_at_steps=()):
-    """`steps` batches; a NaN feature in the given 1-based steps (NaN makes
-    every gradient non-finite: a skip whatever the scale)."""
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((_BATCH_SIZE * steps, 3)).astype(np.float32)
-    y = x.sum(axis=1, keepdims=True)
-    for step in nan_at_steps:
-        x[(step - 1) * _BATCH_SIZE, 0] = np.nan
-    return x, y
-
-
-def _compiled_model(steps_per_execution=1, initial_scale=_INITIAL_SCALE,
-                    jit_compile=False):
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((3,)),
-        keras.layers.Dense(8, activation="relu", dtype="mixed_float16"),
-        keras.layers.Dense(1, dtype="float32"),
-    ])
-    optimizer = tf_lossscale.LossScaleOptimizer(
-        keras.optimizers.SGD(0.01),
-        loss_scale=tf_lossscale.DynamicLossScale(
-            initial_scale, increment_period=10**6, multiplier=2.0))
-    model.compile(optimizer=optimizer, loss="mse",
-                  steps_per_execution=steps_per_execution,
-                  jit_compile=jit_compile)
-    return model
+def _batches_of_steps(steps):
+    """The batch indices of Keras' 1-based step numbers in an epoch."""
+    return [step - 1 for step in steps]
 
 
 class _BatchLogs(keras.callbacks.Callback):
@@ -105,9 +83,11 @@ def fit_run(request, tmp_path_factory):
     strategy = strategies.mirrored(2) if mirrored else None
     tmp = tmp_path_factory.mktemp(request.param)
     with strategy.scope() if strategy else contextlib.nullcontext():
-        model = _compiled_model(steps_per_execution, jit_compile=jit_compile)
+        model = keras_models.mixed_float16_model(
+            _INITIAL_SCALE, jit_compile=jit_compile,
+            steps_per_execution=steps_per_execution)
     batch_logs = _BatchLogs()
-    x, y = _data()
+    x, y = data.summed_data(_BATCH_SIZE, _STEPS_PER_EPOCH)
     history = model.fit(
         x, y, batch_size=_BATCH_SIZE, epochs=_EPOCHS, shuffle=False, verbose=0,
         callbacks=[tf_lossscale.LossScaleMonitor(), batch_logs,
@@ -188,8 +168,8 @@ def test_tensorboard_after_the_monitor_writes_both_scalars(fit_run):
 
 def test_monitor_continues_from_the_saved_state_after_a_keras_reload(
         tmp_path):
-    model = _compiled_model()
-    x, y = _data()
+    model = keras_models.mixed_float16_model(_INITIAL_SCALE)
+    x, y = data.summed_data(_BATCH_SIZE, _STEPS_PER_EPOCH)
     model.fit(x, y, batch_size=_BATCH_SIZE, epochs=1, shuffle=False,
               verbose=0, callbacks=[tf_lossscale.LossScaleMonitor()])
     saved_skips = int(model.optimizer.skipped_steps)
@@ -225,7 +205,7 @@ def test_other_optimizer_fails_at_train_begin_naming_it(policy, expected,
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     weights = [w.numpy() for w in model.weights]
-    x, y = _data()
+    x, y = data.summed_data(_BATCH_SIZE, _STEPS_PER_EPOCH)
 
     with pytest.raises(TypeError, match="tf_lossscale.LossScaleOptimizer") as e:
         model.fit(x, y, batch_size=_BATCH_SIZE, epochs=1, verbose=0,
@@ -255,8 +235,9 @@ def _monitor_lines(text):
 def test_verbose_prints_a_burst_once_and_its_summary_then_a_lone_skip(capsys):
     # NaN steps, so the skips fall exactly there: a burst of 5 from step 1,
     # and step 40, far enough after it to start a burst of its own.
-    model = _compiled_model(initial_scale=1024.0)
-    x, y = _data(steps=48, nan_at_steps=[1, 2, 3, 4, 5, 40])
+    model = keras_models.mixed_float16_model(1024.0)
+    x, y = data.summed_data(
+        _BATCH_SIZE, 48, nan_batches=_batches_of_steps([1, 2, 3, 4, 5, 40]))
 
     model.fit(x, y, batch_size=_BATCH_SIZE, epochs=1, shuffle=False,
               verbose=0,
@@ -279,8 +260,10 @@ def test_verbose_names_the_steps_of_each_execution(capsys):
     # Four steps per execution over ten: the skip at step 6 is seen at the
     # end of steps 5-8, the one at step 10 at the end of steps 9-10, whatever
     # step number Keras passes the batch end.
-    model = _compiled_model(steps_per_execution=4, initial_scale=1024.0)
-    x, y = _data(steps=10, nan_at_steps=[6, 10])
+    model = keras_models.mixed_float16_model(
+        1024.0, steps_per_execution=4)
+    x, y = data.summed_data(
+        _BATCH_SIZE, 10, nan_batches=_batches_of_steps([6, 10]))
 
     model.fit(x, y, batch_size=_BATCH_SIZE, epochs=1, shuffle=False,
               verbose=0,
@@ -297,8 +280,8 @@ def test_verbose_names_the_steps_of_each_execution(capsys):
 def test_verbose_names_only_the_overflowing_float16_layer(capsys):
     # At 2**30 the float16 layer's gradients overflow; the float32 output
     # layer's do not.
-    model = _compiled_model()
-    x, y = _data(steps=1)
+    model = keras_models.mixed_float16_model(_INITIAL_SCALE)
+    x, y = data.summed_data(_BATCH_SIZE)
 
     model.fit(x, y, batch_size=_BATCH_SIZE, epochs=1, shuffle=False,
               verbose=0,
@@ -314,8 +297,9 @@ def test_verbose_names_only_the_overflowing_float16_layer(capsys):
 
 def test_verbose_summarizes_a_burst_that_does_not_end(capsys, monkeypatch):
     monkeypatch.setattr(monitor, "BURST_SUMMARY_SKIPS", 3)
-    model = _compiled_model(initial_scale=2.0**10)
-    x, y = _data(nan_at_steps=range(1, _STEPS_PER_EPOCH + 1))
+    model = keras_models.mixed_float16_model(2.0**10)
+    x, y = data.summed_data(_BATCH_SIZE, _STEPS_PER_EPOCH,
+                            nan_batches=range(_STEPS_PER_EPOCH))
 
     model.fit(x, y, batch_size=_BATCH_SIZE, epochs=1, shuffle=False,
               verbose=0,

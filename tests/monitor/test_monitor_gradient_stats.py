@@ -26,36 +26,15 @@ import tensorflow as tf
 import tf_lossscale
 from tf_lossscale import step_gradient_stats
 
+from tests.support import data  # pylint: disable=g-bad-import-order
+from tests.support import keras_models  # pylint: disable=g-bad-import-order
 from tests.support import strategies  # pylint: disable=g-bad-import-order
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
 
 _BATCH = 8
+_INITIAL_SCALE = 2.0**16
 _STEPS = 6
-
-
-def _data(steps=_STEPS):
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((_BATCH * steps, 3)).astype(np.float32)
-    return x, x.sum(axis=1, keepdims=True)
-
-
-def _model(initial_scale=2.0**16, jit_compile=False, steps_per_execution=1):
-    """A float16 hidden layer and a float32 output layer, whose gradients
-    the figures must leave out."""
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((3,)),
-        keras.layers.Dense(8, activation="relu", dtype="mixed_float16",
-                           name="half"),
-        keras.layers.Dense(1, dtype="float32", name="full"),
-    ])
-    optimizer = tf_lossscale.LossScaleOptimizer(
-        keras.optimizers.SGD(0.01),
-        tf_lossscale.DynamicLossScale(initial_scale, increment_period=10**6))
-    model.compile(optimizer, "mse", jit_compile=jit_compile,
-                  steps_per_execution=steps_per_execution)
-    return model
 
 
 def _expected(model, x, y, replicas, jit_compile=False):
@@ -117,8 +96,9 @@ def stats_run(request, tmp_path_factory):
     with strategy.scope() if strategy else contextlib.nullcontext():
         # At 2**16 some steps' gradients go beyond float16's range (and
         # skip, halving the scale), others fit.
-        model = _model(jit_compile=jit_compile)
-    x, y = _data()
+        model = keras_models.mixed_float16_model(
+            _INITIAL_SCALE, jit_compile=jit_compile)
+    x, y = data.summed_data(_BATCH, _STEPS)
     expect = _Expect(x, y, replicas, jit_compile)
     tmp = tmp_path_factory.mktemp(request.param)
     history = model.fit(
@@ -163,8 +143,8 @@ def test_the_option_is_off_again_after_fit(stats_run):
 
 def test_underflow_share_counts_values_below_float16_normals():
     # A scale of 2**-20 pushes nearly every gradient value below 2**-14.
-    model = _model(initial_scale=2.0**-20)
-    x, y = _data(steps=1)
+    model = keras_models.mixed_float16_model(2.0**-20)
+    x, y = data.summed_data(_BATCH)
     expect = _Expect(x, y, 1)
 
     model.fit(x, y, batch_size=_BATCH, epochs=1, shuffle=False, verbose=0,
@@ -176,8 +156,8 @@ def test_underflow_share_counts_values_below_float16_normals():
 
 
 def test_a_step_traced_before_the_monitor_is_traced_again_with_it():
-    model = _model()
-    x, y = _data()
+    model = keras_models.mixed_float16_model(_INITIAL_SCALE)
+    x, y = data.summed_data(_BATCH, _STEPS)
     model.fit(x, y, batch_size=_BATCH, epochs=1, shuffle=False, verbose=0)
     expect = _Expect(x, y, 1)
 
@@ -194,8 +174,8 @@ class _KeepStats(keras.callbacks.Callback):
 
 
 def test_steps_after_the_monitors_fit_record_nothing():
-    model = _model()
-    x, y = _data()
+    model = keras_models.mixed_float16_model(_INITIAL_SCALE)
+    x, y = data.summed_data(_BATCH, _STEPS)
     keep = _KeepStats()
     model.fit(x, y, batch_size=_BATCH, epochs=1, shuffle=False, verbose=0,
               callbacks=[tf_lossscale.LossScaleMonitor(gradient_stats=True),
@@ -251,8 +231,8 @@ def _traced_step(model, x, y):
 
 
 def test_a_step_traced_without_the_option_has_none_of_its_ops():
-    model = _model()
-    x, y = _data(steps=1)
+    model = keras_models.mixed_float16_model(_INITIAL_SCALE)
+    x, y = data.summed_data(_BATCH)
     model.optimizer.build(model.trainable_variables)
     off = _traced_step(model, x, y)
     stats = step_gradient_stats.attach(model.optimizer,

@@ -34,10 +34,6 @@ _LOSS_SCALE_CONFIG = {"initial_loss_scale": 2.0**8, "increment_period": 3,
 pytestmark = pytest.mark.usefixtures("keras_isolation")
 
 
-def _model(seed=0):
-    return keras_models.tiny_model(seed)
-
-
 def _optimizer():
     return LossScaleOptimizer(
         keras.optimizers.Adam(0.01),
@@ -45,7 +41,7 @@ def _optimizer():
 
 
 def _compiled_model(seed=0, jit_compile=False):
-    model = _model(seed)
+    model = keras_models.tiny_model(seed)
     model.compile(_optimizer(), "mse", jit_compile=jit_compile)
     return model
 
@@ -239,12 +235,12 @@ def _save_and_load_weights(make_optimizer, build_before_load, tmp_path):
     Returns the trained model, the model loaded into, that model's state just
     before loading, and the warnings Keras gave while loading.
     """
-    model = _model()
+    model = keras_models.tiny_model()
     model.compile(make_optimizer(), "mse")
     _train(model, _STEPS_BEFORE_SAVE)
     path = str(tmp_path / f"{type(model.optimizer).__module__}.weights.h5")
     model.save_weights(path)
-    loaded = _model(seed=1)
+    loaded = keras_models.tiny_model(seed=1)
     loaded.compile(make_optimizer(), "mse")
     if build_before_load:
         loaded.optimizer.build(loaded.trainable_variables)

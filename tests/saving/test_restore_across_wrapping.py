@@ -24,8 +24,9 @@ import pytest
 import tensorflow as tf
 
 from tests.fixtures import make_fixtures
-from tests.support.keras_models import tiny_model
+from tests.support import data
 from tests.support import paths
+from tests.support.keras_models import tiny_model
 from tf_lossscale import LossScaleOptimizer
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
@@ -72,13 +73,6 @@ def _inner(optimizer):
 def _state_of(optimizer):
     """What the optimizer carries from step to step (iterations first)."""
     return [np.asarray(v.numpy()) for v in _inner(optimizer).variables]
-
-
-def _data(steps, first=0):
-    rng = np.random.default_rng(first)
-    x = rng.standard_normal((steps * BATCH, 3)).astype(np.float32)
-    y = rng.standard_normal((steps * BATCH, 1)).astype(np.float32)
-    return x, y
 
 
 def _custom_loop(model, optimizer, traced=False):
@@ -144,10 +138,10 @@ def saved_run(tmp_path_factory):
         model = tiny_model(seed=0)
         optimizer = _optimizer(name, kind)
         train = _trainer(model, optimizer, loop)
-        train(*_data(STEPS_BEFORE_SAVE))
+        train(*data.normal_data(BATCH, STEPS_BEFORE_SAVE))
         path = tf.train.Checkpoint(model=model, optimizer=optimizer).write(
             str(directory / f"{name}_{kind}_{loop}"))
-        train(*_data(1, first=STEPS_BEFORE_SAVE))
+        train(*data.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
         return path, _snapshot(model, optimizer)
 
     return run
@@ -170,7 +164,7 @@ def test_next_step_after_restore_is_the_uninterrupted_one(
 
     tf.train.Checkpoint(model=model, optimizer=optimizer).restore(
         path).expect_partial()
-    train(*_data(1, first=STEPS_BEFORE_SAVE))
+    train(*data.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
 
     _assert_continues_as(model, optimizer, expected)
 
@@ -203,15 +197,15 @@ def test_custom_optimizer_state_outside_its_variables_restores_before_build(
         return model, optimizer, _custom_loop(model, optimizer)
 
     source, source_optimizer, train = run(saved_by, seed=0)
-    train(*_data(STEPS_BEFORE_SAVE))
+    train(*data.normal_data(BATCH, STEPS_BEFORE_SAVE))
     path = tf.train.Checkpoint(model=source, optimizer=source_optimizer).write(
         str(tmp_path / "saved"))
-    train(*_data(1, first=STEPS_BEFORE_SAVE))
+    train(*data.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
     model, optimizer, train = run(restored_into, seed=1)
 
     tf.train.Checkpoint(model=model, optimizer=optimizer).restore(
         path).expect_partial()
-    train(*_data(1, first=STEPS_BEFORE_SAVE))
+    train(*data.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
 
     _assert_continues_as(model, optimizer, _snapshot(source, source_optimizer))
     assert float(_inner(optimizer)._growth) == float(  # pylint: disable=protected-access
@@ -232,10 +226,10 @@ def test_keras_wrapper_checkpoint_gives_its_inner_state_in_any_order(
     source_optimizer = keras.mixed_precision.LossScaleOptimizer(
         keras.optimizers.Adam(0.01))
     train = _custom_loop(source, source_optimizer)
-    train(*_data(STEPS_BEFORE_SAVE))
+    train(*data.normal_data(BATCH, STEPS_BEFORE_SAVE))
     path = tf.train.Checkpoint(model=source, optimizer=source_optimizer).write(
         str(tmp_path / "keras"))
-    train(*_data(1, first=STEPS_BEFORE_SAVE))
+    train(*data.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
     model = tiny_model(seed=1)
     optimizer = _optimizer("adam", "wrapped")
     if build_first:
@@ -243,7 +237,8 @@ def test_keras_wrapper_checkpoint_gives_its_inner_state_in_any_order(
 
     tf.train.Checkpoint(model=model, optimizer=optimizer).restore(
         path).expect_partial()
-    _custom_loop(model, optimizer)(*_data(1, first=STEPS_BEFORE_SAVE))
+    _custom_loop(model, optimizer)(
+        *data.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
 
     _assert_continues_as(model, optimizer, _snapshot(source, source_optimizer))
 
@@ -284,7 +279,7 @@ def test_plain_checkpoint_resumes_wrapped_in_traced_training(
     train = _trainer(model, optimizer, loop)
 
     tf.train.Checkpoint(model=model, optimizer=optimizer).restore(path)
-    train(*_data(1, first=STEPS_BEFORE_SAVE))
+    train(*data.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
 
     _assert_continues_as(model, optimizer, expected)
 
@@ -310,7 +305,7 @@ def _precision_run(name, kind, policy, seed):
 def test_next_step_across_precisions_is_the_one_from_the_saved_state(
         name, saved, restored, build_first, tmp_path):
     source, source_optimizer, train = _precision_run(name, *saved, seed=0)
-    train(*_data(STEPS_BEFORE_SAVE))
+    train(*data.normal_data(BATCH, STEPS_BEFORE_SAVE))
     path = tf.train.Checkpoint(model=source, optimizer=source_optimizer).write(
         str(tmp_path / "saved"))
     # The step from the saved state, set by hand: the uninterrupted run in
@@ -323,14 +318,14 @@ def test_next_step_across_precisions_is_the_one_from_the_saved_state(
             source.weights + _inner(source_optimizer).variables,
             strict=True):
         variable.assign(value)
-    reference_train(*_data(1, first=STEPS_BEFORE_SAVE))
+    reference_train(*data.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
 
     model, optimizer, train = _precision_run(name, *restored, seed=2)
     if build_first:
         optimizer.build(model.trainable_variables)
     tf.train.Checkpoint(model=model, optimizer=optimizer).restore(
         path).expect_partial()
-    train(*_data(1, first=STEPS_BEFORE_SAVE))
+    train(*data.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
 
     _assert_continues_as(model, optimizer,
                          _snapshot(reference, reference_optimizer))
@@ -341,8 +336,8 @@ def test_next_step_across_precisions_is_the_one_from_the_saved_state(
 
 
 def _fit(model, steps, first):
-    model.fit(*_data(steps, first), batch_size=BATCH, epochs=1, shuffle=False,
-              verbose=0)
+    model.fit(*data.normal_data(BATCH, steps, seed=first), batch_size=BATCH,
+              epochs=1, shuffle=False, verbose=0)
 
 
 def _load_weights_warnings(model, path):

@@ -8,34 +8,27 @@ session and inside `model.fit`; a warning is one line on stderr per
 occurrence, in every one of those places. Under XLA (`jit_compile=True`) the
 host raises or warns after the call that held the step (`XlaChecks`,
 `with_xla_checks`), with the same text; steps after a failure in the same
-call change nothing (every way of running an XLA step:
-tests/xla/test_xla_ways.py). Under MirroredStrategy all replicas fail or warn
+call change nothing (the host side: tests/xla/test_xla_checks.py; every way
+of running an XLA step: tests/xla/test_xla_ways.py). Under MirroredStrategy all replicas fail or warn
 together, from one decision (Mirrored is tested without XLA: XLA under
 Mirrored on logical CPUs fails in TensorFlow itself).
 """
 
 import re
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import keras_models
+from tests.support import data
+from tests.support import policy_runs as runs
 from tests.support import strategies
 import tf_lossscale
 
 _NAN = float("nan")
 _WARNING = "tf_lossscale WARNING:"
-_BATCH_SIZE = 8
 
 MODES = ("eager", "tf_function", "tf1_graph", "xla")
-
-
-def _state(loss_scale):
-    """{name without suffix: value} of every state variable."""
-    return {re.sub(r"(_\d+)?:\d+$", "", v.name): v.numpy().item()
-            for v in loss_scale.variables}
 
 
 class _Steps:
@@ -74,7 +67,7 @@ class _Steps:
                 values = self._session.run(list(self.loss_scale.variables))
             return {re.sub(r"(_\d+)?:\d+$", "", v.name): x.item()
                     for v, x in zip(self.loss_scale.variables, values)}
-        return _state(self.loss_scale)
+        return runs.scale_state(self.loss_scale)
 
 
 def _numbers(message):
@@ -182,75 +175,37 @@ def test_raise_in_tf_function_runs_no_apply_branch():
 # model.fit with tf_lossscale.LossScaleOptimizer.
 
 
-def _data():
-    rng = np.random.default_rng(0)
-    return (rng.normal(size=(_BATCH_SIZE, 3)).astype(np.float32),
-            rng.normal(size=(_BATCH_SIZE, 1)).astype(np.float32))
-
-
-def _nan_data(num_batches):
-    x, y = _data()
-    x = np.tile(x, (num_batches, 1))
-    y = np.tile(y, (num_batches, 1))
-    x[::_BATCH_SIZE, 0] = _NAN
-    return x, y
-
-
-def _compiled(loss_scale, compile_args):
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    model = keras_models.tiny_model()
-    optimizer = tf_lossscale.LossScaleOptimizer(
-        keras.optimizers.SGD(0.1), loss_scale=loss_scale)
-    model.compile(optimizer, "mse", **compile_args)
-    return model, optimizer
-
-
-def _fit(model, x, y):
-    # Under XLA a policy that asks for failures needs a watcher; without
-    # XLA the callback reads nothing and does nothing.
-    model.fit(x, y, batch_size=_BATCH_SIZE, epochs=1, shuffle=False,
-              verbose=0, callbacks=[tf_lossscale.XlaChecks()])
-
-
-_FIT_MODES = {
-    "eager": dict(run_eagerly=True),
-    "tf_function": dict(run_eagerly=False, jit_compile=False),
-    "xla": dict(jit_compile=True),
-    "xla_2_steps_per_call": dict(jit_compile=True, steps_per_execution=2),
-}
-
-
 @pytest.mark.usefixtures("keras_isolation")
-@pytest.mark.parametrize("mode", _FIT_MODES)
+@pytest.mark.parametrize("mode", runs.FIT_MODES)
 def test_fit_fails_with_raise_at_the_floor_and_keeps_the_weights(mode):
     loss_scale = tf_lossscale.DynamicLossScale(
         initial_loss_scale=2, min_loss_scale=1, on_min_loss_scale="raise")
-    model, optimizer = _compiled(loss_scale, _FIT_MODES[mode])
-    _fit(model, *_data())
+    model, optimizer = runs.compiled(loss_scale, runs.FIT_MODES[mode])
+    runs.fit(model, *data.normal_data(runs.BATCH_SIZE))
     weights = [w.numpy() for w in model.weights]
 
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=r"min_loss_scale=1\.0.*current scale 1\b"):
-        _fit(model, *_nan_data(3))
+        runs.fit(model, *runs.nan_batches(3))
 
     for weight, before in zip(model.weights, weights):
         np.testing.assert_array_equal(weight.numpy(), before)
     assert int(optimizer.iterations.numpy()) == 1
-    assert _state(loss_scale)["consecutive_skips"] == 2
+    assert runs.scale_state(loss_scale)["consecutive_skips"] == 2
     assert float(loss_scale()) == 1.0
 
 
 @pytest.mark.usefixtures("keras_isolation")
-@pytest.mark.parametrize("mode", _FIT_MODES)
+@pytest.mark.parametrize("mode", runs.FIT_MODES)
 def test_fit_fails_after_max_consecutive_skips(mode):
     loss_scale = tf_lossscale.DynamicLossScale(max_consecutive_skips=2)
-    model, optimizer = _compiled(loss_scale, _FIT_MODES[mode])
+    model, optimizer = runs.compiled(loss_scale, runs.FIT_MODES[mode])
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=r"in a row for non-finite gradients: 2\b"):
-        _fit(model, *_nan_data(4))
+        runs.fit(model, *runs.nan_batches(4))
     assert int(optimizer.iterations.numpy()) == 0
     assert float(loss_scale()) == 2.0**13
-    assert _state(loss_scale)["consecutive_skips"] == 2
+    assert runs.scale_state(loss_scale)["consecutive_skips"] == 2
 
 
 @pytest.mark.usefixtures("keras_isolation")
@@ -258,9 +213,9 @@ def test_fit_fails_after_max_consecutive_skips(mode):
 def test_fit_warns_once_per_step_at_the_floor(mode, capfd):
     loss_scale = tf_lossscale.DynamicLossScale(
         initial_loss_scale=1, on_min_loss_scale="warn")
-    model, optimizer = _compiled(loss_scale, _FIT_MODES[mode])
+    model, optimizer = runs.compiled(loss_scale, runs.FIT_MODES[mode])
     capfd.readouterr()
-    _fit(model, *_nan_data(3))
+    runs.fit(model, *runs.nan_batches(3))
     lines = [line for line in capfd.readouterr().err.splitlines()
              if line.startswith(_WARNING)]
     assert len(lines) == 3, lines
@@ -330,173 +285,24 @@ def test_mirrored_warning_is_printed_once_per_step_not_per_replica(capfd):
 
 
 @pytest.mark.usefixtures("keras_isolation")
-def test_fit_under_xla_warns_once_per_call_with_the_latest_values(capfd):
-    # Two steps per call, three steps at the floor: the first call's two
-    # warnings come as one line with the second's values.
-    loss_scale = tf_lossscale.DynamicLossScale(
-        initial_loss_scale=1, on_min_loss_scale="warn")
-    model, optimizer = _compiled(loss_scale, _FIT_MODES["xla_2_steps_per_call"])
-    capfd.readouterr()
-    _fit(model, *_nan_data(3))
-    lines = [line for line in capfd.readouterr().err.splitlines()
-             if line.startswith(_WARNING)]
-    assert len(lines) == 2, lines
-    assert "min_loss_scale=1.0" in lines[0] and "current scale 1" in lines[0]
-    assert "non-finite gradients: 2 (the last of 2 such steps" in lines[0]
-    assert lines[1].endswith("non-finite gradients: 3")
-    assert int(optimizer.skipped_steps) == 3
-
-
-@pytest.mark.usefixtures("keras_isolation")
-@pytest.mark.parametrize("mode", _FIT_MODES)
+@pytest.mark.parametrize("mode", runs.FIT_MODES)
 def test_fit_raise_comes_before_the_weights_change_again(mode):
     # NaN at the floor, then finite batches: under XLA with two steps per
     # call the failed step halts the call, the finite one after it in the
     # same call is not applied.
     loss_scale = tf_lossscale.DynamicLossScale(
         initial_loss_scale=1, on_min_loss_scale="raise")
-    model, optimizer = _compiled(loss_scale, _FIT_MODES[mode])
-    x, y = _data()
+    model, optimizer = runs.compiled(loss_scale, runs.FIT_MODES[mode])
+    x, y = data.normal_data(runs.BATCH_SIZE)
     weights = [w.numpy() for w in model.weights]
     x_nan = x.copy()
     x_nan[0, 0] = _NAN
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=r"min_loss_scale=1\.0.*gradients: 1\b"):
-        _fit(model, np.concatenate([x_nan, x, x]), np.concatenate([y, y, y]))
+        runs.fit(model, np.concatenate([x_nan, x, x]),
+                 np.concatenate([y, y, y]))
     for weight, before in zip(model.weights, weights):
         np.testing.assert_array_equal(weight.numpy(), before)
     assert int(optimizer.iterations.numpy()) == 0
     assert int(optimizer.skipped_steps) == 0
-    assert _state(loss_scale)["consecutive_skips"] == 1
-
-
-@pytest.mark.usefixtures("keras_isolation")
-def test_train_on_batch_under_xla_with_xla_checks_carries_out_the_limit():
-    loss_scale = tf_lossscale.DynamicLossScale(
-        initial_loss_scale=1, max_consecutive_skips=2)
-    model, optimizer = _compiled(loss_scale, _FIT_MODES["xla"])
-    train_on_batch = tf_lossscale.with_xla_checks(model.train_on_batch,
-                                                  optimizer)
-    x, y = _nan_data(1)
-    train_on_batch(x, y)
-    with pytest.raises(tf.errors.InvalidArgumentError,
-                       match=r"in a row for non-finite gradients: 2\b"):
-        train_on_batch(x, y)
-    assert _state(loss_scale)["consecutive_skips"] == 2
-    assert int(optimizer.iterations.numpy()) == 0
-
-
-@pytest.mark.usefixtures("keras_isolation")
-@pytest.mark.parametrize("host", ["XlaChecks", "LossScaleMonitor"])
-def test_fit_under_xla_raises_with_either_callback(host):
-    loss_scale = tf_lossscale.DynamicLossScale(max_consecutive_skips=2)
-    model, optimizer = _compiled(loss_scale, _FIT_MODES["xla"])
-    with pytest.raises(tf.errors.InvalidArgumentError,
-                       match=r"in a row for non-finite gradients: 2\b"):
-        model.fit(*_nan_data(4), batch_size=_BATCH_SIZE, shuffle=False,
-                  verbose=0, callbacks=[getattr(tf_lossscale, host)()])
-    assert _state(loss_scale)["consecutive_skips"] == 2
-    assert int(optimizer.skipped_steps) == 1
-
-
-@pytest.mark.usefixtures("keras_isolation")
-def test_later_watched_fits_still_raise_and_resume_after_the_error():
-    # Each fit with XlaChecks traces its step under its own watch (the
-    # previous one's ended with that fit); all are checked after every call.
-    loss_scale = tf_lossscale.DynamicLossScale(
-        initial_loss_scale=1, on_min_loss_scale="raise")
-    model, optimizer = _compiled(loss_scale, _FIT_MODES["xla"])
-    x, y = _data()
-    _fit(model, x, y)
-    weights = [w.numpy() for w in model.weights]
-    x_nan = np.concatenate([x, x])
-    x_nan[0, 0] = _NAN
-    with pytest.raises(tf.errors.InvalidArgumentError,
-                       match=r"min_loss_scale=1\.0"):
-        _fit(model, x_nan, np.concatenate([y, y]))
-    for weight, before in zip(model.weights, weights):
-        np.testing.assert_array_equal(weight.numpy(), before)
-    assert int(optimizer.iterations.numpy()) == 1
-    _fit(model, x, y)  # The record was cleared: training resumes.
-    assert int(optimizer.iterations.numpy()) == 2
-
-
-@pytest.mark.usefixtures("keras_isolation")
-def test_custom_xla_step_of_two_steps_raises_after_the_call_unchanged():
-    # A custom loop's XLA function running two optimizer steps per call:
-    # NaN at the floor, then a finite batch the failure keeps from applying.
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    model = keras_models.tiny_model()
-    loss_scale = tf_lossscale.DynamicLossScale(
-        initial_loss_scale=1, on_min_loss_scale="raise")
-    optimizer = tf_lossscale.LossScaleOptimizer(
-        keras.optimizers.SGD(0.1), loss_scale=loss_scale)
-    optimizer.build(model.trainable_variables)
-
-    def one_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(
-                tf.cast(model(x), tf.float32) - y))
-            scaled = optimizer.scale_loss(loss)
-        grads = tape.gradient(scaled, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-
-    def two_steps(x_first, x_second, y):
-        one_step(x_first, y)
-        one_step(x_second, y)
-
-    x, y = _data()
-    x_nan = x.copy()
-    x_nan[0, 0] = _NAN
-    compiled = tf.function(two_steps, jit_compile=True)
-    with pytest.raises(RuntimeError, match="with_xla_checks"):
-        compiled(x, x, y)
-    weights = [w.numpy() for w in model.weights]
-
-    checked = tf_lossscale.with_xla_checks(compiled, optimizer)
-    with pytest.raises(tf.errors.InvalidArgumentError,
-                       match=r"min_loss_scale=1\.0.*gradients: 1\b"):
-        checked(x_nan, x, y)
-    for weight, before in zip(model.weights, weights):
-        np.testing.assert_array_equal(weight.numpy(), before)
-    assert int(optimizer.iterations.numpy()) == 0
-    # The record was cleared: training goes on, as without XLA.
-    checked(x, x, y)
-    assert int(optimizer.iterations.numpy()) == 2
-
-
-@pytest.mark.parametrize("kwargs", [
-    dict(on_min_loss_scale="warn"), dict(on_min_loss_scale="raise"),
-    dict(max_consecutive_skips=3)],
-                         ids=["warn", "raise", "max_skips"])
-def test_unwatched_xla_step_fails_before_it_runs_naming_the_fix(kwargs):
-    # XLA drops assertion ops and cannot print: a step whose checks nobody
-    # carries out would silently lose them.
-    loss_scale = tf_lossscale.DynamicLossScale(**kwargs)
-
-    @tf.function(jit_compile=True)
-    def step(g):
-        return loss_scale.update([g])[1]
-
-    with pytest.raises(RuntimeError, match="with_xla_checks"):
-        step(tf.constant(1.0))
-    assert float(loss_scale()) == 2.0**15
-    assert bool(tf_lossscale.with_xla_checks(step, loss_scale)(
-        tf.constant(1.0)))
-
-
-@pytest.mark.parametrize("kwargs", [
-    dict(on_min_loss_scale="warn", max_consecutive_skips=2),
-    dict(on_min_loss_scale="raise", hysteresis=2, max_consecutive_skips=3),
-    dict(backoff_factor=0.25, min_loss_scale=2.0, max_loss_scale=2.0**20,
-         hysteresis=3, consecutive_hysteresis=True, on_min_loss_scale="warn",
-         max_consecutive_skips=5)],
-                         ids=["warn_and_limit", "raise_and_limit",
-                              "every_argument"])
-def test_no_argument_combination_fails_to_compile_under_xla(kwargs):
-    loss_scale = tf_lossscale.DynamicLossScale(**kwargs)
-    step = tf_lossscale.with_xla_checks(
-        tf.function(lambda g: loss_scale.update([g])[1], jit_compile=True),
-        loss_scale)
-    assert bool(step(tf.constant(1.0)))
-    assert not bool(step(tf.constant(_NAN)))
+    assert runs.scale_state(loss_scale)["consecutive_skips"] == 1

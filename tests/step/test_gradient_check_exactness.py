@@ -7,18 +7,15 @@ finite). Each test compares it with the plain definition,
 shortcut: large and small, awkward sizes, unknown shapes, every float dtype,
 `IndexedSlices`, and finite values so large that any sum of them overflows.
 
-The optimizer's unscaling is pinned against today's formula
-`cast(cast(g, float32) / cast(S, float32), g.dtype)`, bit for bit, on applied
-steps; and a user-defined `LossScale` still gets `update(grads)` called.
+The optimizer's unscaling against TensorFlow's formula:
+tests/keras/test_optimizer_protocol.py (`get_unscaled_gradients`) and
+tests/step/test_loss_scaled_step.py (applied steps).
 """
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import reference_oracle as oracle
-import tf_lossscale
 from tf_lossscale import gradient_checks
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
@@ -139,83 +136,3 @@ def test_random_gradient_sets_agree_with_the_definition():
         assert _both_ways(grads) == (expected, expected), trial
         checked += not expected
     assert 0 < checked < 60  # Both verdicts were exercised.
-
-
-# ---------------------------------------------------------------------------
-# The optimizer: unscaled values and the fallback for user loss scales.
-
-
-@pytest.mark.parametrize("scale", [2.0 ** 15, 1000.0, 3.0, 1.0],
-                         ids=["power_of_two", "thousand", "three", "one"])
-@pytest.mark.parametrize("dtype", _FLOAT_DTYPES, ids=lambda d: d.name)
-def test_get_unscaled_gradients_is_bit_identical_to_divide(scale, dtype):
-    rng = np.random.default_rng(1)
-    grad = tf.cast(tf.constant(rng.standard_normal(5000) * 1e4), dtype)
-    optimizer = tf_lossscale.LossScaleOptimizer(
-        keras.optimizers.SGD(), loss_scale=tf_lossscale.FixedLossScale(scale))
-    unscaled, = optimizer.get_unscaled_gradients([grad])
-    np.testing.assert_array_equal(
-        tf.cast(unscaled, tf.float64).numpy(),
-        tf.cast(oracle.reference_unscale(grad, scale), tf.float64).numpy())
-
-
-@pytest.mark.parametrize("loss_scale", [
-    lambda: tf_lossscale.DynamicLossScale(1000.0, increment_period=2),
-    lambda: tf_lossscale.DynamicLossScale(2.0 ** 10, increment_period=2,
-                                          multiplier=3.0),
-    lambda: tf_lossscale.FixedLossScale(3.0),
-], ids=["dynamic_1000", "dynamic_multiplier_3", "fixed_3"])
-def test_applied_steps_are_bit_identical_to_sgd_on_divided_gradients(
-        loss_scale):
-    rng = np.random.default_rng(2)
-    initial = rng.standard_normal((300, 301)).astype(np.float32)
-    ours_weights = tf.Variable(initial)
-    reference_weights = tf.Variable(initial)
-    optimizer = tf_lossscale.LossScaleOptimizer(
-        keras.optimizers.SGD(0.5), loss_scale=loss_scale())
-    reference = keras.optimizers.SGD(0.5)
-
-    @tf.function
-    def step(scaled):
-        scale = optimizer.loss_scale()
-        optimizer.scale_loss(tf.constant(1.0))  # The Keras protocol.
-        optimizer.apply([scaled], [ours_weights])
-        reference.apply([oracle.reference_unscale(scaled, scale)],
-                        [reference_weights])
-
-    for _ in range(5):
-        step(tf.constant(rng.standard_normal((300, 301)) * 3e3, tf.float32))
-    np.testing.assert_array_equal(ours_weights.numpy(),
-                                  reference_weights.numpy())
-
-
-class _RecordingLossScale(tf_lossscale.LossScale):
-    """A user-defined loss scale: only the public contract."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __call__(self):
-        return tf.constant(4.0)
-
-    def update(self, grads):
-        self.seen.append([g.numpy() for g in grads])
-        return None, bool(np.isfinite(np.concatenate(
-            [np.ravel(g) for g in self.seen[-1]])).all())
-
-    def get_config(self):
-        return {}
-
-
-def test_user_loss_scale_without_private_hooks_gets_update_with_unscaled():
-    variable = tf.Variable([1.0, 1.0])
-    loss_scale = _RecordingLossScale()
-    optimizer = tf_lossscale.LossScaleOptimizer(
-        keras.optimizers.SGD(1.0), loss_scale=loss_scale)
-    optimizer.scale_loss(tf.constant(1.0))
-    optimizer.apply([tf.constant([4.0, 8.0])], [variable])
-    optimizer.apply([tf.constant([4.0, _NAN])], [variable])
-    np.testing.assert_array_equal(loss_scale.seen[0][0], [1.0, 2.0])
-    np.testing.assert_array_equal(variable.numpy(), [0.0, -1.0])
-    assert int(optimizer.skipped_steps) == 1

@@ -27,7 +27,6 @@ import io
 import json
 import os
 import re
-import subprocess
 import sys
 import threading
 import traceback
@@ -41,8 +40,8 @@ import tf_keras
 
 from tests.support import hostile_values
 import tf_lossscale
+from tests.support import subprocesses
 from tests.support.hostile_values import MESSAGE_BOUND
-from tests.support import paths
 from tf_lossscale import step_arguments
 from tf_lossscale import tf_keras_optimizer
 from tf_lossscale.compat.v1 import MixedPrecisionLossScaleOptimizer
@@ -161,21 +160,10 @@ def test_tf1_optimizer_refuses(case):
     assert not created
 
 
-def _run_script(script, **extra_env):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **extra_env)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-    done = subprocess.run([sys.executable, paths.script(script)],
-                          env=env, cwd=paths.SUPPORT, capture_output=True,
-                          text=True,
-                          timeout=_TIMEOUT_SECONDS, check=False)
-    assert done.returncode == 0, done.stderr[-6000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 @pytest.fixture(scope="module")
 def tf_keras_results():
-    return _run_script("hostile_tf_keras_worker.py", TF_USE_LEGACY_KERAS="1")
+    return subprocesses.run_script("hostile_tf_keras_worker.py",
+                                   TF_USE_LEGACY_KERAS="1")
 
 
 _TF_KERAS_CASES = [

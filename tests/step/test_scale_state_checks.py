@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.support import data
 from tests.support import keras_models
+from tests.support.variables import values_of
 import tf_lossscale
 
 _NAN = float("nan")
@@ -29,10 +31,6 @@ _RULES = {
     "all_features": dict(initial_loss_scale=8, hysteresis=3,
                          on_min_loss_scale="raise", max_consecutive_skips=4),
 }
-
-
-def _values(variables):
-    return [v.numpy() for v in variables]
 
 
 def _assert_unchanged(variables, before):
@@ -68,7 +66,7 @@ def test_assigned_bad_scale_fails_the_next_update_naming_it(mode, bad, rule):
     loss_scale = tf_lossscale.DynamicLossScale(**_RULES[rule])
     loss_scale.update([tf.constant(1.0)])
     loss_scale.variables[0].assign(_BAD_SCALES[bad])
-    before = _values(loss_scale.variables)
+    before = values_of(loss_scale.variables)
     for finite in (True, False):
         with pytest.raises(tf.errors.InvalidArgumentError) as raised:
             _update(mode, loss_scale, [tf.constant(1.0 if finite else _NAN)])
@@ -84,7 +82,7 @@ def test_negative_good_steps_fail_the_next_update_naming_them(mode):
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=r"good_steps\W+-3"):
         _update(mode, loss_scale, [tf.constant(1.0)])
-    assert _values(loss_scale.variables) == [8.0, -3]
+    assert values_of(loss_scale.variables) == [8.0, -3]
 
 
 def _tf1_fetches_that_update(loss_scale, grads, caller):
@@ -165,7 +163,7 @@ def test_checkpoint_with_nan_scale_fails_at_the_first_step_after_restore(
     restored = tf_lossscale.DynamicLossScale(initial_loss_scale=8,
                                              max_consecutive_skips=3)
     tf.train.Checkpoint(loss_scale=restored).read(path).assert_consumed()
-    before = _values(restored.variables)
+    before = values_of(restored.variables)
     with pytest.raises(tf.errors.InvalidArgumentError, match="nan"):
         _update(mode, restored, [tf.constant(1.0)])
     _assert_unchanged(restored.variables, before)
@@ -193,14 +191,8 @@ def _compiled_model(compile_args=None):
     return model, optimizer
 
 
-def _data():
-    rng = np.random.default_rng(0)
-    return (rng.normal(size=(8, 3)).astype(np.float32),
-            rng.normal(size=(8, 1)).astype(np.float32))
-
-
 def _fit(model, batches=1):
-    x, y = (np.tile(a, (batches, 1)) for a in _data())
+    x, y = (np.tile(a, (batches, 1)) for a in data.normal_data(8))
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
               callbacks=[tf_lossscale.XlaChecks()])
 
@@ -219,7 +211,7 @@ def test_fit_with_an_assigned_bad_scale_fails_and_changes_nothing(mode, bad):
     _fit(model)
     optimizer.loss_scale.variables[0].assign(_BAD_SCALES[bad])
     state = _all_state(model, optimizer) + [optimizer.skipped_steps]
-    before = _values(state)
+    before = values_of(state)
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match="current_loss_scale"):
         _fit(model, batches=4)
@@ -243,7 +235,7 @@ def test_keras_file_holding_a_nan_scale_fails_at_the_first_step(
     loaded_optimizer = loaded.optimizer
     assert np.isnan(loaded_optimizer.loss_scale().numpy())
     state = _all_state(loaded, loaded_optimizer)
-    before = _values(state)
+    before = values_of(state)
     with pytest.raises(tf.errors.InvalidArgumentError, match="nan"):
         _fit(loaded)
     _assert_unchanged(state, before)
@@ -286,7 +278,7 @@ def test_assigned_bad_counter_fails_the_next_update_naming_every_field(
     loss_scale = tf_lossscale.DynamicLossScale(**_COUNTING_RULE)
     loss_scale.update([tf.constant(1.0)])
     _by_name(loss_scale)[field].assign(value)
-    before = _values(loss_scale.variables)
+    before = values_of(loss_scale.variables)
     for finite in (True, False):
         with pytest.raises(tf.errors.InvalidArgumentError) as raised:
             _update(mode, loss_scale, [tf.constant(1.0 if finite else _NAN)])
@@ -363,7 +355,7 @@ def test_checkpoint_with_a_bad_counter_fails_at_the_first_step(
     restored = tf_lossscale.DynamicLossScale(**_COUNTING_RULE)
     tf.train.Checkpoint(loss_scale=restored).read(path).assert_consumed()
     assert int(_by_name(restored)[field].numpy()) == value
-    before = _values(restored.variables)
+    before = values_of(restored.variables)
     with pytest.raises(tf.errors.InvalidArgumentError) as raised:
         _update(mode, restored, [tf.constant(_NAN)])
     _names_every_field(str(raised.value), field, value)
@@ -395,7 +387,7 @@ def test_keras_file_with_a_bad_counter_fails_at_the_first_step(
     loaded.compile(loaded.optimizer, "mse", jit_compile=xla)
     assert int(_by_name(loaded.optimizer.loss_scale)[field].numpy()) == value
     state = _all_state(loaded, loaded.optimizer)
-    before = _values(state)
+    before = values_of(state)
     with pytest.raises(tf.errors.InvalidArgumentError) as raised:
         _fit(loaded)
     _names_every_field(str(raised.value), field, value)
@@ -418,8 +410,8 @@ def _rewritten(path, h5_path, value, tmp_path):
         store[h5_path] = value
     crafted = os.path.join(tmp_path, "crafted.keras")
     with zipfile.ZipFile(crafted, "w") as copy:
-        for name, data in others.items():
-            copy.writestr(name, data)
+        for name, content in others.items():
+            copy.writestr(name, content)
         copy.write(weights, "model.weights.h5")
     return crafted
 
@@ -457,7 +449,7 @@ def test_keras_file_value_a_variable_cannot_hold_is_refused_at_load(
     # Into a model that trains on: the optimizer's variables stay as they
     # were (weights, slots, the loss scale's state).
     state = optimizer.variables
-    before = _values(state)
+    before = values_of(state)
     with pytest.raises(ValueError, match=f"loss scale's {field}"):
         model.load_weights(crafted)
     _assert_unchanged(state, before)

@@ -86,6 +86,13 @@ def assert_same_flags(actual, expected, context=""):
 # Random parameters.
 
 
+def keyed_rng(seed, *key):
+    """A generator for one randomized case, keyed by the file's `seed` and the
+    case (`key`: integers): a case draws the same values whichever cases run
+    before it, or whether they run at all (`pytest -k`)."""
+    return np.random.default_rng([seed, *key])
+
+
 def random_dynamic_params(rng, extreme_probability=0.5):
     """`DynamicLossScale` arguments, each extreme or random."""
 

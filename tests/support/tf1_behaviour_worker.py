@@ -30,18 +30,14 @@ import tf_lossscale  # pylint: disable=g-import-not-at-top,wrong-import-position
 _KINDS = ["finite", "nan", "inf", "finite", "finite"]
 
 
-def _adam():
-    return tf.compat.v1.train.AdamOptimizer(0.01)
-
-
 def _ours():
     return tf_lossscale.compat.v1.MixedPrecisionLossScaleOptimizer(
-        _adam(), tf_lossscale.DynamicLossScale(2.0**10, 2))
+        tf1_graphs.adam(), tf_lossscale.DynamicLossScale(2.0**10, 2))
 
 
 def _tensorflows():
     return tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer(
-        _adam(), oracle.reference_dynamic(2.0**10, 2))
+        tf1_graphs.adam(), oracle.reference_dynamic(2.0**10, 2))
 
 
 def _plain(state):

@@ -13,6 +13,12 @@ INPUT_SHAPE = (4, 3)
 UNITS = 2
 
 
+def adam():
+    """The TF1 optimizer the TF1 wrapper's tests wrap: Adam, learning rate
+    0.01 (its slots make skipped steps visible)."""
+    return tf.compat.v1.train.AdamOptimizer(0.01)
+
+
 def initial_values(seed=0):
     rng = np.random.default_rng(seed)
     return (rng.normal(size=(INPUT_SHAPE[1], UNITS)).astype(np.float32),

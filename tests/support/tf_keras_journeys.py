@@ -33,6 +33,7 @@ import tf_lossscale  # pylint: disable=g-import-not-at-top
 # `tests.support`.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
+from tests.support import data  # pylint: disable=g-import-not-at-top
 from tests.support import strategies  # pylint: disable=g-import-not-at-top
 
 keras = tf.keras
@@ -43,15 +44,6 @@ _TMP = tempfile.mkdtemp()
 def journey(fn):
     JOURNEYS[fn.__name__] = fn
     return fn
-
-
-def _data(nan_batches=(), batches=6, batch_size=8):
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(batches * batch_size, 3)).astype(np.float32)
-    y = x.sum(axis=1, keepdims=True)
-    for batch in nan_batches:
-        x[batch * batch_size + batch_size - 1, 0] = np.nan  # its last sample
-    return x, y
 
 
 def _model():
@@ -71,7 +63,7 @@ def _ours(inner, initial=2.0**10, period=1000):
 def _fit(optimizer, nan_batches=(), callbacks=(), batches=6, model=None):
     model = model or _model()
     model.compile(optimizer=optimizer, loss="mse")
-    x, y = _data(nan_batches, batches)
+    x, y = data.summed_data(8, batches, nan_batches=nan_batches, nan_row=-1)
     history = model.fit(x, y, batch_size=8, shuffle=False, verbose=0,
                         callbacks=list(callbacks))
     return model, history
@@ -129,7 +121,7 @@ def fit_skips_a_non_finite_step_leaving_weights_slots_and_iterations():
         assert int(optimizer.iterations) == 5
         assert float(optimizer.loss_scale()) == 2.0**9
         # Training the five finite batches only gives the same state.
-        x, y = _data([2])
+        x, y = data.summed_data(8, 6, nan_batches=[2], nan_row=-1)
         keep = np.isfinite(x).all(axis=1)
         keep[16:24] = False
         clean = _model()
@@ -155,7 +147,7 @@ def custom_loop_and_minimize_skip_non_finite_steps():
                 tape.gradient(scaled, model.trainable_variables))
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
-        x, y = _data([1], batches=3)
+        x, y = data.summed_data(8, 3, nan_batches=[1], nan_row=-1)
         step(x[:8], y[:8])
         before = [v.numpy() for v in model.weights] + _optimizer_values(
             optimizer)
@@ -317,7 +309,7 @@ def fixed_scale_that_skips_non_finite_steps():
     # (relu(NaN) is NaN on some, 0 on others), not on the weights (NaN times
     # anything stays NaN): the expected names are those whose gradient on
     # the last NaN batch is non-finite here. The first kernel always is.
-    x, y = _data(nan_batches=[3])
+    x, y = data.summed_data(8, 6, nan_batches=[3], nan_row=-1)
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean(tf.square(model(x[24:32]) - y[24:32]))
     grads = tape.gradient(loss, model.trainable_variables)
@@ -337,7 +329,7 @@ def xla_fit_needs_a_watcher_for_the_failure_policy():
     optimizer = tf_lossscale.LossScaleOptimizer(keras.optimizers.SGD(0.01),
                                                 loss_scale=loss_scale)
     model.compile(optimizer=optimizer, loss="mse", jit_compile=True)
-    x, y = _data()
+    x, y = data.summed_data(8, 6)
     weights = model.get_weights()
     try:
         model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
@@ -352,7 +344,7 @@ def xla_fit_needs_a_watcher_for_the_failure_policy():
     model.fit(x, y, batch_size=8, shuffle=False, verbose=0,
               callbacks=[checks])
     weights = model.get_weights()
-    x, y = _data(nan_batches=[0], batches=2)
+    x, y = data.summed_data(8, 2, nan_batches=[0], nan_row=-1)
     try:
         model.fit(x, y, batch_size=8, shuffle=False, verbose=0,
                   callbacks=[checks])
@@ -397,7 +389,7 @@ def loss_scale_state_from_a_file_is_checked_field_by_field():
     loaded = keras.models.load_model(path)
     assert int(loaded.optimizer.loss_scale.variables[2].numpy()) == -1
     try:
-        loaded.fit(*_data(batches=1), batch_size=8, verbose=0)
+        loaded.fit(*data.summed_data(8), batch_size=8, verbose=0)
     except tf.errors.InvalidArgumentError as error:
         assert "hysteresis_remaining" in str(error), error
         assert "-1" in str(error), error

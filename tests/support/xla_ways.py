@@ -33,6 +33,7 @@ import threading
 import numpy as np
 import tensorflow as tf
 
+from tests.support import data
 from tests.support import strategies
 import tf_lossscale
 
@@ -52,11 +53,10 @@ def way(fn):
 # Shared pieces.
 
 
-def _data(pattern):
-    """Batches of 8 for `pattern`: "F" finite, "N" a NaN in the batch."""
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(_BATCH, 3)).astype(np.float32)
-    y = rng.normal(size=(_BATCH, 1)).astype(np.float32)
+def _pattern_data(pattern):
+    """Batches of 8 for `pattern`: "F" finite, "N" a NaN in the batch; the
+    same batch each time, but for the NaN."""
+    x, y = data.normal_data(_BATCH)
     xs, ys = [], []
     for kind in pattern:
         batch = x.copy()
@@ -68,7 +68,7 @@ def _data(pattern):
 
 
 def _batches(pattern):
-    x, y = _data(pattern)
+    x, y = _pattern_data(pattern)
     return [(tf.constant(x[i:i + _BATCH]), tf.constant(y[i:i + _BATCH]))
             for i in range(0, len(x), _BATCH)]
 
@@ -120,7 +120,7 @@ def _recorder(keras):
 
 
 def _fit(model, pattern, callbacks=(), **kwargs):
-    x, y = _data(pattern)
+    x, y = _pattern_data(pattern)
     return model.fit(x, y, batch_size=_BATCH, shuffle=False, verbose=0,
                      callbacks=list(callbacks), **kwargs)
 
@@ -370,14 +370,14 @@ def fit_warns_at_the_floor_then_stops_at_max_consecutive_skips(keras):
 @way
 def train_on_batch_without_and_with_with_xla_checks(keras):
     model, optimizer = _compiled(keras)
-    x, y = _data("F")
+    x, y = _pattern_data("F")
     _assert_fails_before_its_first_step(lambda: model.train_on_batch(x, y),
                                         model, optimizer)
     train_on_batch = tf_lossscale.with_xla_checks(model.train_on_batch,
                                                   optimizer)
     train_on_batch(x, y)
     weights = model.get_weights()
-    x_nan, _ = _data("N")
+    x_nan, _ = _pattern_data("N")
     train_on_batch(x_nan, y)  # 2 -> 1
     _assert_stops_at_the_floor(lambda: train_on_batch(x_nan, y))
     _same(model.get_weights(), weights)
@@ -499,7 +499,7 @@ def default_scale_trains_in_a_bare_xla_loop_as_the_own_wrapper_does(keras):
 
 @way
 def corrupted_default_scale_is_refused_and_raised_when_documented(keras):
-    x, y = _data("F")
+    x, y = _pattern_data("F")
     # A custom loop: the refused steps change nothing; the next eager read
     # of the scale raises, naming the value.
     model, optimizer = _model(keras), _optimizer(keras, "dynamic")

@@ -7,19 +7,14 @@ before the step. The seeded comparisons over random sequences are in
 test_tf1_optimizer_parity.py.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from tests.support import reference_oracle as oracle
 from tests.support import strategies
+from tests.support import subprocesses
 from tests.support import tf1_graphs
-from tests.support import paths
 import tf_lossscale
 from tf_lossscale.compat.v1 import MixedPrecisionLossScaleOptimizer
 
@@ -30,10 +25,6 @@ TensorFlowWrapper = (
 
 def _momentum():
     return tf.compat.v1.train.MomentumOptimizer(0.1, momentum=0.9)
-
-
-def _adam():
-    return tf.compat.v1.train.AdamOptimizer(0.01)
 
 
 def _ours(make_loss_scale=lambda: "dynamic", make_inner=_momentum):
@@ -248,7 +239,7 @@ def test_slots_are_the_inner_optimizers_and_variables_add_the_scales():
     """As TensorFlow's wrapper: the wrapper itself reports no slots (a slot
     reported by two optimizers breaks tf.train.Checkpoint); `variables()`
     is the inner optimizer's, then the loss scale's."""
-    train = tf1_graphs.TrainGraph(_ours(make_inner=_adam))
+    train = tf1_graphs.TrainGraph(_ours(make_inner=tf1_graphs.adam))
     opt, inner = train.optimizer, train.optimizer.inner_optimizer
     assert inner is opt._optimizer  # pylint: disable=protected-access
     assert inner.get_slot_names() == ["m", "v"]
@@ -258,7 +249,7 @@ def test_slots_are_the_inner_optimizers_and_variables_add_the_scales():
         assert [id(v) for v in opt.variables()] == [
             id(v) for v in inner.variables() + list(opt.loss_scale.variables)]
     reference = tf1_graphs.TrainGraph(
-        lambda: TensorFlowWrapper(_adam(), "dynamic"))
+        lambda: TensorFlowWrapper(tf1_graphs.adam(), "dynamic"))
     with reference.graph.as_default():
         reference_names = [v.name for v in reference.optimizer.variables()]
     with train.graph.as_default():
@@ -271,7 +262,8 @@ def test_slots_are_the_inner_optimizers_and_variables_add_the_scales():
 
 
 def test_saver_saves_and_restores_the_scale_and_the_slots(tmp_path):
-    make = _ours(lambda: tf_lossscale.DynamicLossScale(2.0**10, 3), _adam)
+    make = _ours(lambda: tf_lossscale.DynamicLossScale(2.0**10, 3),
+                 tf1_graphs.adam)
     path = str(tmp_path / "ckpt")
     saved = tf1_graphs.run_steps(tf1_graphs.TrainGraph(make),
                                  ["finite", "nan", "finite"],
@@ -284,9 +276,11 @@ def test_saver_saves_and_restores_the_scale_and_the_slots(tmp_path):
 def test_saver_restores_a_checkpoint_of_tensorflows_wrapper(tmp_path):
     path = str(tmp_path / "ckpt")
     saved = tf1_graphs.run_steps(
-        tf1_graphs.TrainGraph(lambda: TensorFlowWrapper(_adam(), "dynamic")),
+        tf1_graphs.TrainGraph(
+            lambda: TensorFlowWrapper(tf1_graphs.adam(), "dynamic")),
         ["large", "finite", "nan"], checkpoint=path)[-1]
-    restored = tf1_graphs.restored_state(_ours(make_inner=_adam), path)
+    restored = tf1_graphs.restored_state(_ours(make_inner=tf1_graphs.adam),
+                                         path)
     _assert_same_state(restored, saved)
 
 
@@ -451,14 +445,8 @@ def test_runs_with_v2_behaviour_disabled():
     """Reference variables and TF1 control flow, in a process of its own:
     skips, back-off and Saver as above, and the same weights as TensorFlow's
     wrapper."""
-    path = [str(paths.ROOT), os.environ.get("PYTHONPATH")]
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3",
-           "PYTHONPATH": os.pathsep.join(p for p in path if p)}
-    done = subprocess.run(
-        [sys.executable, paths.script("tf1_behaviour_worker.py")],
-        env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = subprocesses.run_script("tf1_behaviour_worker.py", timeout=300,
+                                     TF_CPP_MIN_LOG_LEVEL="3")
     assert result["variable_type"] == "RefVariable"
     assert result["scales"] == [2.0**10, 2.0**9, 2.0**8, 2.0**8, 2.0**9]
     assert result["global_steps"] == [1, 1, 1, 2, 3]

@@ -8,21 +8,12 @@ Keras 3 users do not pay for tf-keras: `import tf_lossscale` imports no
 tf_keras.
 """
 
-import json
-import os
-import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
 
 from tests.support import paths
-import tf_lossscale
-
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(tf_lossscale.__file__))
-# Bounds for a hung process, not speed requirements.
-_TIMEOUT_SECONDS = 600
+from tests.support import subprocesses
 
 JOURNEYS = [
     "wrapping_tf_keras_and_legacy_optimizers_gives_a_tf_keras_wrapper",
@@ -41,21 +32,10 @@ JOURNEYS = [
 ]
 
 
-def _run(args, **extra_env):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **extra_env)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-    done = subprocess.run([sys.executable] + args, env=env, cwd=paths.SUPPORT,
-                          capture_output=True, text=True,
-                          timeout=_TIMEOUT_SECONDS, check=False)
-    assert done.returncode == 0, done.stderr[-6000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 @pytest.fixture(scope="module")
 def journey_results():
-    return _run([paths.script("tf_keras_journeys.py")],
-                TF_USE_LEGACY_KERAS="1")
+    return subprocesses.run_script("tf_keras_journeys.py",
+                                   TF_USE_LEGACY_KERAS="1")
 
 
 def test_the_script_runs_exactly_these_journeys(journey_results):
@@ -70,7 +50,7 @@ def test_journey(journey_results, journey):
 def test_docs_tf_keras_fit_example_runs_with_tf_keras():
     # The README points to this guide; tests/tools/test_docs_examples.py runs
     # its every block too, checking the printed line against its comment.
-    guide = pathlib.Path(_PACKAGE_ROOT, "docs", "guides", "tf-keras.md")
+    guide = paths.ROOT / "docs" / "guides" / "tf-keras.md"
     blocks = [block for block in re.findall(r"```python\n(.*?)```",
                                              guide.read_text(), re.DOTALL)
               if block.startswith("# Run with TF_USE_LEGACY_KERAS=1")]
@@ -78,7 +58,8 @@ def test_docs_tf_keras_fit_example_runs_with_tf_keras():
     code = blocks[0] + (
         "\nimport json\nprint(json.dumps([int(optimizer.skipped_steps),"
         " int(optimizer.iterations), float(optimizer.loss_scale())]))")
-    assert _run(["-c", code], TF_USE_LEGACY_KERAS="1") == [1, 1, 512.0]
+    assert subprocesses.run_json(
+        ["-c", code], TF_USE_LEGACY_KERAS="1") == [1, 1, 512.0]
 
 
 def test_import_tf_lossscale_does_not_import_tf_keras():
@@ -87,7 +68,7 @@ def test_import_tf_lossscale_does_not_import_tf_keras():
             "monitor = tf_lossscale.LossScaleMonitor()\n"
             "print(json.dumps(['tf_keras' in sys.modules,"
             " type(opt).__module__, type(monitor).__module__]))")
-    imported, optimizer_module, monitor_module = _run(
+    imported, optimizer_module, monitor_module = subprocesses.run_json(
         ["-c", code], TF_USE_LEGACY_KERAS="0")
     assert imported is False
     assert optimizer_module == "tf_lossscale.keras_optimizer"

@@ -18,6 +18,7 @@ import tf_keras
 from tests.support import strategies
 import tf_lossscale
 from tests.fixtures import make_fixtures
+from tests.support.variables import values_of
 from tf_lossscale import tf_keras_optimizer
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
@@ -44,10 +45,6 @@ def _batch(step, nan=False):
 def _optimizer_variables(optimizer):
     variables = optimizer.variables
     return variables() if callable(variables) else variables
-
-
-def _values(variables):
-    return [np.array(v.numpy()) for v in variables]
 
 
 def _plain_step(model, optimizer, x, y):
@@ -138,11 +135,11 @@ def test_unsupported_strategy_is_refused_in_tf_keras_words(kind):
                                                 loss_scale=2)
     with strategy.scope():
         variable = tf.Variable(1.0)
-        values = _values([variable])
+        values = values_of([variable])
         with pytest.raises(ValueError, match=expected):
             strategy.run(lambda: optimizer.minimize(lambda: variable * 2.0,
                                                     [variable]))
-    np.testing.assert_equal(_values([variable]), values)
+    np.testing.assert_equal(values_of([variable]), values)
 
 
 @pytest.mark.parametrize("kind", sorted(_KINDS))
@@ -164,12 +161,13 @@ def test_non_finite_step_is_skipped_and_finite_steps_match_plain_optimizer(
     nan_steps = {1, 3}
     for index in range(5):
         x, y = _batch(index, nan=index in nan_steps)
-        inner_before = _values(_optimizer_variables(optimizer.inner_optimizer))
+        inner_before = values_of(
+            _optimizer_variables(optimizer.inner_optimizer))
         step(model, optimizer, x, y)
         if index in nan_steps:
             # Weights, slots and iterations exactly as they were.
             np.testing.assert_equal(
-                _values(_optimizer_variables(optimizer.inner_optimizer)),
+                values_of(_optimizer_variables(optimizer.inner_optimizer)),
                 inner_before)
         else:
             _plain_step(reference, plain, x, y)
@@ -197,10 +195,10 @@ def test_records_only_the_variables_whose_gradients_overflowed():
     skipping = tf_lossscale.LossScaleOptimizer(
         tf_keras.optimizers.SGD(0.1),
         loss_scale=tf_lossscale.FixedLossScale(2, skip_non_finite=True))
-    values = _values(variables)
+    values = values_of(variables)
     skipping.apply_gradients(zip(
         [tf.constant([1.0, 1.0]), tf.constant([np.inf])], variables))
-    np.testing.assert_equal(_values(variables), values)
+    np.testing.assert_equal(values_of(variables), values)
     assert skipping.last_nonfinite_variables() == ["overflowing:0"]
     assert float(skipping.loss_scale()) == 2.0
     assert int(skipping.skipped_steps) == 1
@@ -297,11 +295,11 @@ def test_checkpoints_of_tf_keras_wrapper_restore_both_ways(
 
     assert scale_and_counter(target) == scale_and_counter(source)
     assert scale_and_counter(source) != (64.0, 0)
-    np.testing.assert_equal(_values(restored_model.weights),
-                            _values(model.weights))
+    np.testing.assert_equal(values_of(restored_model.weights),
+                            values_of(model.weights))
     np.testing.assert_equal(
-        _values(_optimizer_variables(target_inner)),
-        _values(_optimizer_variables(source.inner_optimizer)))
+        values_of(_optimizer_variables(target_inner)),
+        values_of(_optimizer_variables(source.inner_optimizer)))
 
 
 def test_nan_on_one_replica_is_skipped_on_every_replica():

@@ -15,8 +15,8 @@ import keras
 import pytest
 import tensorflow as tf
 
-from tests.support import strategies
 from tests.support import paths
+from tests.support import strategies
 
 sys.path.insert(0, str(paths.ROOT / "benchmarks"))
 

@@ -6,21 +6,14 @@ tf-keras in one subprocess (`tests/support/tf_keras_xla_ways.py`), each
 reported here as its own test.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import keras
 import pytest
 
-import tf_lossscale
+from tests.support import subprocesses
 from tests.support import xla_ways
-from tests.support import paths
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
 
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(tf_lossscale.__file__))
 # A bound for a hung process, not a speed requirement.
 _TIMEOUT_SECONDS = 900
 
@@ -32,15 +25,9 @@ def test_keras_3(way):
 
 @pytest.fixture(scope="module")
 def tf_keras_results():
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="1")
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-    done = subprocess.run(
-        [sys.executable, paths.script("tf_keras_xla_ways.py")],
-        env=env, cwd=paths.SUPPORT, capture_output=True, text=True,
-        timeout=_TIMEOUT_SECONDS, check=False)
-    assert done.returncode == 0, done.stderr[-6000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return subprocesses.run_script("tf_keras_xla_ways.py",
+                                   timeout=_TIMEOUT_SECONDS,
+                                   TF_USE_LEGACY_KERAS="1")
 
 
 @pytest.mark.parametrize("way", xla_ways.WAYS)
