@@ -25,10 +25,6 @@ from tf_lossscale import LossScaleOptimizer
 pytestmark = pytest.mark.usefixtures("keras_isolation")
 
 
-def _batch(step=0, finite=True):
-    return make_fixtures.batch(step, finite)
-
-
 def _assert_all_equal(actual, expected):
     assert len(actual) == len(expected)
     for a, e in zip(actual, expected):
@@ -55,7 +51,7 @@ def test_dynamic_counter_counts_good_steps_and_resets_on_a_skip():
 
     counts = []
     for step, finite in enumerate([True, True, True, False, True]):
-        model.train_on_batch(*_batch(step, finite))
+        model.train_on_batch(*make_fixtures.batch(step, finite))
         counts.append(int(optimizer.dynamic_counter))
 
     assert counts == [1, 2, 3, 0, 1]
@@ -89,7 +85,7 @@ def test_variables_hold_the_current_scale_after_training():
     model = tiny_model()
     optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.01))
     model.compile(optimizer=optimizer, loss="mse")
-    model.train_on_batch(*_batch(finite=False))
+    model.train_on_batch(*make_fixtures.batch(0, finite=False))
 
     values = {v.name.split(":")[0]: float(v.numpy())
               for v in optimizer.variables if v.shape.rank == 0}
@@ -172,7 +168,7 @@ def _trained_weights(optimizer, steps=3):
     model = tiny_model()
     model.compile(optimizer=optimizer, loss="mse")
     for step in range(steps):
-        model.train_on_batch(*(v * 100 for v in _batch(step)))
+        model.train_on_batch(*(v * 100 for v in make_fixtures.batch(step)))
     return values_of(model.weights)
 
 
@@ -247,7 +243,7 @@ def test_second_clipping_mode_on_wrapper_is_refused():
 
 
 def _gradients_of_scaled_loss(model, optimizer):
-    x, y = _batch()
+    x, y = make_fixtures.batch(0)
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean(tf.square(model(x) - y))
         scaled = optimizer.get_scaled_loss(loss)
@@ -290,7 +286,7 @@ def test_unscaled_gradients_after_a_refused_step_are_applied():
 
 def _train_steps(model, steps, first=0):
     for step in range(first, first + steps):
-        model.train_on_batch(*_batch(step))
+        model.train_on_batch(*make_fixtures.batch(step))
 
 
 def _compiled(optimizer, seed=0):
@@ -347,7 +343,7 @@ def test_wrapped_checkpoint_restores_into_a_plain_optimizer(tmp_path):
     keras.mixed_precision.set_global_policy("mixed_float16")
     wrapped = _compiled(LossScaleOptimizer(keras.optimizers.Adam(0.01)))
     _train_steps(wrapped, 3)
-    wrapped.train_on_batch(*_batch(finite=False))
+    wrapped.train_on_batch(*make_fixtures.batch(0, finite=False))
     path = tf.train.Checkpoint(model=wrapped,
                                optimizer=wrapped.optimizer).write(
                                    str(tmp_path / "wrapped"))
@@ -368,7 +364,7 @@ def test_wrapped_checkpoint_restores_into_a_plain_optimizer(tmp_path):
 def test_wrapped_checkpoint_round_trips_loss_scale_and_inner_state(tmp_path):
     wrapped = _compiled(LossScaleOptimizer(keras.optimizers.Adam(0.01)))
     _train_steps(wrapped, 2)
-    wrapped.train_on_batch(*_batch(finite=False))
+    wrapped.train_on_batch(*make_fixtures.batch(0, finite=False))
     path = tf.train.Checkpoint(model=wrapped,
                                optimizer=wrapped.optimizer).write(
                                    str(tmp_path / "wrapped"))

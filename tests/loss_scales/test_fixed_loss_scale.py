@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.support import data
 from tests.support import keras_models
+from tests.support import reference_oracle as oracle
 from tests.support import strategies
 import tf_lossscale
 
@@ -310,9 +312,7 @@ def test_bfloat16_fit_skips_a_nan_batch_and_keeps_weights_bit_identical():
         keras.optimizers.SGD(0.1, momentum=0.9), loss_scale=_skipping())
     model.compile(optimizer, "mse")
     assert model.optimizer is optimizer
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(8, 3)).astype(np.float32)
-    y = rng.normal(size=(8, 1)).astype(np.float32)
+    x, y = data.normal_data(8)
     model.fit(x, y, batch_size=8, verbose=0)
     state = model.weights + optimizer.inner_optimizer.variables
     before = [v.numpy() for v in state]
@@ -323,3 +323,57 @@ def test_bfloat16_fit_skips_a_nan_batch_and_keeps_weights_bit_identical():
     assert int(optimizer.skipped_steps) == 1
     assert int(optimizer.iterations.numpy()) == 1
     assert float(optimizer.loss_scale()) == 1.0
+
+
+# ---------------------------------------------------------------------------
+# Against TensorFlow's reference, tf.compat.v1.mixed_precision.FixedLossScale:
+# the same float32 value, and never a skip.
+
+FIXED_VALUES = [1, 1.5, 3.3, 7, 2**15, 2**24 + 1, 1e30, oracle.FLOAT32_MAX]
+
+
+@pytest.mark.parametrize("value", FIXED_VALUES)
+def test_fixed_scale_value_matches_reference(value):
+    ours = tf_lossscale.FixedLossScale(value)()
+    reference = oracle.reference_fixed(value)()
+    assert ours.dtype == reference.dtype == tf.float32
+    assert ours.shape == reference.shape == ()
+    oracle.assert_same_float32_bits(ours.numpy(), reference.numpy(), value)
+
+
+def _non_finite_grads():
+    return [tf.constant([1.0, np.nan]), None,
+            tf.IndexedSlices(tf.constant([[np.inf]], tf.float16),
+                             tf.constant([0]), tf.constant([2, 1]))]
+
+
+@pytest.mark.parametrize("value", [1, 3.3, oracle.FLOAT32_MAX])
+def test_fixed_scale_always_applies_and_never_changes_eagerly(value):
+    ours = tf_lossscale.FixedLossScale(value)
+    reference = oracle.reference_fixed(value)
+    for grads in ([tf.constant(2.0)], _non_finite_grads()):
+        for loss_scale in (ours, reference):
+            _, should_apply = loss_scale.update(grads)
+            assert should_apply is True
+        oracle.assert_same_float32_bits(ours().numpy(),
+                                        reference().numpy(), value)
+
+
+def test_fixed_scale_decision_is_python_true_inside_tf_function():
+    # A Python True lets callers drop the skip branch at trace time.
+    decisions = []
+    ours = tf_lossscale.FixedLossScale(128)
+    reference = oracle.reference_fixed(128)
+
+    @tf.function
+    def step(values):
+        grads = [values, None]
+        for loss_scale in (ours, reference):
+            decisions.append(loss_scale.update(grads)[1])
+        return ours(), reference()
+
+    ours_scale, reference_scale = step(tf.constant([np.nan, 1.0]))
+    assert len(decisions) == 2
+    assert all(decision is True for decision in decisions), decisions
+    oracle.assert_same_float32_bits(ours_scale.numpy(),
+                                    reference_scale.numpy())

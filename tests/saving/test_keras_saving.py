@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.support import data
 from tests.support import keras_models
 import tf_lossscale
 from tf_lossscale import LossScaleOptimizer
 
-_NAN = float("nan")
 # Finite (True) and non-finite (False) training steps. The split leaves the
 # good-steps counter above zero at the save, and the steps after it cross a
 # growth boundary, so a lost counter shows as a growth at the wrong step.
@@ -47,12 +47,9 @@ def _compiled_model(seed=0, jit_compile=False):
 
 
 def _batch(step, finite):
-    rng = np.random.default_rng(step)
-    x = rng.normal(size=(4, 3)).astype(np.float32)
-    y = rng.normal(size=(4, 1)).astype(np.float32)
-    if not finite:
-        x[2, 0] = _NAN
-    return x, y
+    """Step `step`'s batch of 4, seeded by the step; a NaN if not finite."""
+    return data.normal_data(4, seed=step, nan_batches=[] if finite else [0],
+                            nan_row=2)
 
 
 def _train(model, steps, first_step=0):

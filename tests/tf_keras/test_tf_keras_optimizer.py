@@ -37,11 +37,6 @@ def _model(seed=0):
                                 tf_keras.layers.Dense(1, name="out")])
 
 
-def _batch(step, nan=False):
-    """8 examples of 3 features; with `nan`, one input is +inf."""
-    return make_fixtures.batch(step, finite=not nan)
-
-
 def _optimizer_variables(optimizer):
     variables = optimizer.variables
     return variables() if callable(variables) else variables
@@ -160,7 +155,7 @@ def test_non_finite_step_is_skipped_and_finite_steps_match_plain_optimizer(
         step = tf.function(step)
     nan_steps = {1, 3}
     for index in range(5):
-        x, y = _batch(index, nan=index in nan_steps)
+        x, y = make_fixtures.batch(index, finite=index not in nan_steps)
         inner_before = values_of(
             _optimizer_variables(optimizer.inner_optimizer))
         step(model, optimizer, x, y)
@@ -258,7 +253,8 @@ def test_keras_style_arguments_and_tf_keras_configs_load():
 
 def _train(optimizer, model, steps):
     for index in range(steps):
-        _tf2_step(model, optimizer, *_batch(index, nan=index == 1))
+        _tf2_step(model, optimizer,
+                  *make_fixtures.batch(index, finite=index != 1))
 
 
 @pytest.mark.parametrize("kind", sorted(_KINDS))
@@ -353,7 +349,8 @@ def test_monitor_for_tf_keras_logs_scale_and_skips_in_tf_keras_fit(capsys):
     model.compile(optimizer=tf_lossscale.LossScaleOptimizer(
         tf_keras.optimizers.SGD(0.01),
         loss_scale=tf_lossscale.DynamicLossScale(64.0, 1000)), loss="mse")
-    x, y = zip(*(_batch(step, nan=step == 1) for step in range(3)))
+    x, y = zip(*(make_fixtures.batch(step, finite=step != 1)
+                 for step in range(3)))
     history = model.fit(np.concatenate(x), np.concatenate(y), batch_size=8,
                         shuffle=False, verbose=0, callbacks=[monitor])
     assert history.history["loss_scale"] == [32.0]
@@ -367,7 +364,7 @@ def test_monitor_refuses_tf_keras_own_wrapper():
     model = _model()
     model.compile(optimizer=tf_keras.mixed_precision.LossScaleOptimizer(
         tf_keras.optimizers.SGD()), loss="mse")
-    x, y = _batch(0)
+    x, y = make_fixtures.batch(0)
     with pytest.raises(TypeError, match="wrapping SGD"):
         model.fit(x, y, verbose=0, callbacks=[
             tf_lossscale.LossScaleMonitor.for_tf_keras()])

@@ -1,11 +1,12 @@
-"""tf_lossscale's loss scales against TensorFlow's reference implementation.
+"""`DynamicLossScale` against TensorFlow's reference implementation.
 
 The promise: for any parameters and any sequence of steps, our
 `DynamicLossScale` holds the same float32 scale, bit for bit, as
 `tf.compat.v1.mixed_precision.DynamicLossScale` fed the same gradients, and
 asks to skip exactly the same steps; eagerly, in a `tf.function` and in a TF1
-graph run by a `Session`. `FixedLossScale` gives the same value and never asks
-to skip.
+graph run by a `Session`. (`FixedLossScale` against TensorFlow's:
+test_fixed_loss_scale.py; the extended rule against a numpy model:
+test_dynamic_rule_against_model.py.)
 
 The randomized sequences are seeded, so every failure names a sequence that
 reruns identically. Their total size is in the module constants below.
@@ -236,53 +237,3 @@ def test_backoff_never_goes_below_one(mode):
         assert (ours >= 1).all(), (params, ours)
         # Even a scale that started below 1 is lifted to the floor.
         assert ours[-1] == 1, (params, ours)
-
-
-FIXED_VALUES = [1, 1.5, 3.3, 7, 2**15, 2**24 + 1, 1e30, oracle.FLOAT32_MAX]
-
-
-@pytest.mark.parametrize("value", FIXED_VALUES)
-def test_fixed_scale_value_matches_reference(value):
-    ours = tf_lossscale.FixedLossScale(value)()
-    reference = oracle.reference_fixed(value)()
-    assert ours.dtype == reference.dtype == tf.float32
-    assert ours.shape == reference.shape == ()
-    oracle.assert_same_float32_bits(ours.numpy(), reference.numpy(), value)
-
-
-def _non_finite_grads():
-    return [tf.constant([1.0, np.nan]), None,
-            tf.IndexedSlices(tf.constant([[np.inf]], tf.float16),
-                             tf.constant([0]), tf.constant([2, 1]))]
-
-
-@pytest.mark.parametrize("value", [1, 3.3, oracle.FLOAT32_MAX])
-def test_fixed_scale_always_applies_and_never_changes_eagerly(value):
-    ours = tf_lossscale.FixedLossScale(value)
-    reference = oracle.reference_fixed(value)
-    for grads in ([tf.constant(2.0)], _non_finite_grads()):
-        for loss_scale in (ours, reference):
-            _, should_apply = loss_scale.update(grads)
-            assert should_apply is True
-        oracle.assert_same_float32_bits(ours().numpy(),
-                                        reference().numpy(), value)
-
-
-def test_fixed_scale_decision_is_python_true_inside_tf_function():
-    # A Python True lets callers drop the skip branch at trace time.
-    decisions = []
-    ours = tf_lossscale.FixedLossScale(128)
-    reference = oracle.reference_fixed(128)
-
-    @tf.function
-    def step(values):
-        grads = [values, None]
-        for loss_scale in (ours, reference):
-            decisions.append(loss_scale.update(grads)[1])
-        return ours(), reference()
-
-    ours_scale, reference_scale = step(tf.constant([np.nan, 1.0]))
-    assert len(decisions) == 2
-    assert all(decision is True for decision in decisions), decisions
-    oracle.assert_same_float32_bits(ours_scale.numpy(),
-                                    reference_scale.numpy())
