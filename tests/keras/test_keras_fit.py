@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from tests.support import data
 from tests.support import keras_models
+from tests.support import reference_oracle as oracle
 from tests.support import strategies
 from tests.support.variables import values_of
 import tf_lossscale
@@ -39,14 +40,6 @@ def _fit_one_batch(model, x, y):
                  if isinstance(model.optimizer, LossScaleOptimizer) else [])
     model.fit(x, y, batch_size=_BATCH_SIZE, epochs=1, shuffle=False,
               verbose=0, callbacks=callbacks)
-
-
-def _reference_scale_after(loss_scale_config, finite_steps):
-    reference = tf.compat.v1.mixed_precision.DynamicLossScale(
-        **loss_scale_config)
-    for finite in finite_steps:
-        reference.update([tf.constant(1.0 if finite else _NAN)])
-    return float(reference())
 
 
 def test_compile_under_mixed_float16_keeps_our_optimizer():
@@ -114,8 +107,8 @@ def test_mixed_float16_fit_matches_float32_and_skips_non_finite_batch(
         np.testing.assert_array_equal(variable.numpy(), before)
     assert int(optimizer.iterations.numpy()) == 1
     assert int(optimizer.skipped_steps) == 1
-    assert float(optimizer.loss_scale()) == _reference_scale_after(
-        loss_scale_config, [True, False])
+    assert float(optimizer.loss_scale()) == oracle.reference_scales(
+        [True, False], **loss_scale_config)[-1]
 
 
 # ---------------------------------------------------------------------------
@@ -178,8 +171,8 @@ def test_nan_on_one_replica_skips_the_step_on_all_replicas(nan_replica):
             np.testing.assert_array_equal(copy, copies[0])
     assert int(optimizer.iterations.numpy()) == 1
     assert int(optimizer.skipped_steps) == 1
-    assert float(optimizer.loss_scale()) == _reference_scale_after(
-        loss_scale_config, [True, False])
+    assert float(optimizer.loss_scale()) == oracle.reference_scales(
+        [True, False], **loss_scale_config)[-1]
 
 
 def test_keras_own_loss_scale_optimizer_misses_nan_on_replica_one():

@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from tests.support import data
 from tests.support import keras_models
+from tests.support import reference_oracle as oracle
 from tests.support.variables import values_of
 import tf_lossscale
 from tf_lossscale import LossScaleOptimizer
@@ -50,21 +51,6 @@ def _assert_all_equal(actual, expected):
     for a, e in zip(actual, expected):
         np.testing.assert_array_equal(getattr(a, "numpy", lambda: a)(),
                                       getattr(e, "numpy", lambda: e)())
-
-
-def _reference_scales(loss_scale_config, finite_steps):
-    """Scale after each step from TF's reference DynamicLossScale."""
-    reference = tf.compat.v1.mixed_precision.DynamicLossScale(
-        **loss_scale_config)
-    scales = []
-    for finite in finite_steps:
-        reference.update([tf.constant(1.0 if finite else _NAN)])
-        scales.append(float(reference()))
-    return scales
-
-
-# ---------------------------------------------------------------------------
-# Constructor and attributes.
 
 
 @pytest.mark.parametrize("identifier, expected", [
@@ -305,8 +291,8 @@ def test_custom_loop_applies_finite_steps_and_skips_non_finite_ones(
     # The same model trained by the inner optimizer alone, finite steps only.
     reference_model = keras_models.tiny_model(hidden_units=2)
     reference_optimizer = make_inner()
-    expected_scales = _reference_scales(
-        loss_scale_config, [step == _FINITE for step in _STEPS])
+    expected_scales = oracle.reference_scales(
+        [step == _FINITE for step in _STEPS], **loss_scale_config)
     num_vars = len(model.trainable_variables)
 
     for step, step_kind in enumerate(_STEPS):

@@ -22,6 +22,7 @@ import tensorflow as tf
 import tf_lossscale
 
 from tests.support import multi_worker_keras_worker as worker
+from tests.support import reference_oracle
 
 NUM_WORKERS = 2
 # A bound for a hung job (a worker waiting for a dead peer), not a speed
@@ -114,15 +115,10 @@ def run_workers(job, tmp_path, extra_env=None):
 
 def reference_scale_trace(job):
     """Scale after each step, from TensorFlow's own DynamicLossScale."""
-    reference = tf.compat.v1.mixed_precision.DynamicLossScale(
+    return reference_oracle.reference_scales(
+        [step not in job["nan_steps"] for step in range(job["steps"])],
         initial_loss_scale=job["initial_loss_scale"],
         increment_period=job["increment_period"], multiplier=2.0)
-    trace = []
-    for step in range(job["steps"]):
-        grad = float("nan") if step in job["nan_steps"] else 1.0
-        reference.update([tf.constant(grad)])
-        trace.append(float(reference()))
-    return trace
 
 
 def single_process_weights(job, keras_module=keras):

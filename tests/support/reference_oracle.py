@@ -36,6 +36,17 @@ def reference_dynamic(initial_loss_scale=2**15, increment_period=2000,
         multiplier=multiplier)
 
 
+def reference_scales(finite_steps, *args, **kwargs):
+    """The scale after each step of `reference_dynamic(*args, **kwargs)` fed
+    one gradient per step: 1.0 where `finite_steps` is true, else NaN."""
+    reference = reference_dynamic(*args, **kwargs)
+    scales = []
+    for finite in finite_steps:
+        reference.update([tf.constant(1.0 if finite else np.nan)])
+        scales.append(float(reference()))
+    return scales
+
+
 def reference_fixed(loss_scale_value):
     """TensorFlow's own `FixedLossScale`, the oracle."""
     return tf.compat.v1.mixed_precision.FixedLossScale(loss_scale_value)

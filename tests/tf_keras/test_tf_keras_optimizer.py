@@ -15,10 +15,11 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from tests.support import strategies
-import tf_lossscale
 from tests.fixtures import make_fixtures
+from tests.support import reference_oracle as oracle
+from tests.support import strategies
 from tests.support.variables import values_of
+import tf_lossscale
 from tf_lossscale import tf_keras_optimizer
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
@@ -171,10 +172,8 @@ def test_non_finite_step_is_skipped_and_finite_steps_match_plain_optimizer(
                                        rtol=1e-6, atol=1e-7)
     assert int(optimizer.iterations) == 3
     assert int(optimizer.skipped_steps) == 2
-    oracle = tf.compat.v1.mixed_precision.DynamicLossScale(4.0, 2, 2.0)
-    for index in range(5):
-        oracle.update([tf.constant(_NAN if index in nan_steps else 1.0)])
-    assert float(optimizer.loss_scale()) == float(oracle())
+    assert float(optimizer.loss_scale()) == oracle.reference_scales(
+        [index not in nan_steps for index in range(5)], 4.0, 2, 2.0)[-1]
     assert optimizer.last_nonfinite_variables() == [
         "hidden/kernel:0", "hidden/bias:0", "out/kernel:0", "out/bias:0"]
 
