@@ -20,7 +20,7 @@ from tf_lossscale import keras_compat
 from tf_lossscale import monitor
 
 from tests.support import data  # pylint: disable=g-bad-import-order
-from tests.support import keras_models  # pylint: disable=g-bad-import-order
+from tests.support import monitor_models  # pylint: disable=g-bad-import-order
 from tests.support import strategies  # pylint: disable=g-bad-import-order
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
@@ -83,7 +83,7 @@ def fit_run(request, tmp_path_factory):
     strategy = strategies.mirrored(2) if mirrored else None
     tmp = tmp_path_factory.mktemp(request.param)
     with strategy.scope() if strategy else contextlib.nullcontext():
-        model = keras_models.mixed_float16_model(
+        model = monitor_models.mixed_float16_model(
             _INITIAL_SCALE, jit_compile=jit_compile,
             steps_per_execution=steps_per_execution)
     batch_logs = _BatchLogs()
@@ -168,7 +168,7 @@ def test_tensorboard_after_the_monitor_writes_both_scalars(fit_run):
 
 def test_monitor_continues_from_the_saved_state_after_a_keras_reload(
         tmp_path):
-    model = keras_models.mixed_float16_model(_INITIAL_SCALE)
+    model = monitor_models.mixed_float16_model(_INITIAL_SCALE)
     x, y = data.summed_data(_BATCH_SIZE, _STEPS_PER_EPOCH)
     model.fit(x, y, batch_size=_BATCH_SIZE, epochs=1, shuffle=False,
               verbose=0, callbacks=[tf_lossscale.LossScaleMonitor()])
@@ -235,7 +235,7 @@ def _monitor_lines(text):
 def test_verbose_prints_a_burst_once_and_its_summary_then_a_lone_skip(capsys):
     # NaN steps, so the skips fall exactly there: a burst of 5 from step 1,
     # and step 40, far enough after it to start a burst of its own.
-    model = keras_models.mixed_float16_model(1024.0)
+    model = monitor_models.mixed_float16_model(1024.0)
     x, y = data.summed_data(
         _BATCH_SIZE, 48, nan_batches=_batches_of_steps([1, 2, 3, 4, 5, 40]))
 
@@ -260,7 +260,7 @@ def test_verbose_names_the_steps_of_each_execution(capsys):
     # Four steps per execution over ten: the skip at step 6 is seen at the
     # end of steps 5-8, the one at step 10 at the end of steps 9-10, whatever
     # step number Keras passes the batch end.
-    model = keras_models.mixed_float16_model(
+    model = monitor_models.mixed_float16_model(
         1024.0, steps_per_execution=4)
     x, y = data.summed_data(
         _BATCH_SIZE, 10, nan_batches=_batches_of_steps([6, 10]))
@@ -280,7 +280,7 @@ def test_verbose_names_the_steps_of_each_execution(capsys):
 def test_verbose_names_only_the_overflowing_float16_layer(capsys):
     # At 2**30 the float16 layer's gradients overflow; the float32 output
     # layer's do not.
-    model = keras_models.mixed_float16_model(_INITIAL_SCALE)
+    model = monitor_models.mixed_float16_model(_INITIAL_SCALE)
     x, y = data.summed_data(_BATCH_SIZE)
 
     model.fit(x, y, batch_size=_BATCH_SIZE, epochs=1, shuffle=False,
@@ -297,7 +297,7 @@ def test_verbose_names_only_the_overflowing_float16_layer(capsys):
 
 def test_verbose_summarizes_a_burst_that_does_not_end(capsys, monkeypatch):
     monkeypatch.setattr(monitor, "BURST_SUMMARY_SKIPS", 3)
-    model = keras_models.mixed_float16_model(2.0**10)
+    model = monitor_models.mixed_float16_model(2.0**10)
     x, y = data.summed_data(_BATCH_SIZE, _STEPS_PER_EPOCH,
                             nan_batches=range(_STEPS_PER_EPOCH))
 

@@ -27,7 +27,7 @@ import tf_lossscale
 from tf_lossscale import step_gradient_stats
 
 from tests.support import data  # pylint: disable=g-bad-import-order
-from tests.support import keras_models  # pylint: disable=g-bad-import-order
+from tests.support import monitor_models  # pylint: disable=g-bad-import-order
 from tests.support import strategies  # pylint: disable=g-bad-import-order
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
@@ -96,7 +96,7 @@ def stats_run(request, tmp_path_factory):
     with strategy.scope() if strategy else contextlib.nullcontext():
         # At 2**16 some steps' gradients go beyond float16's range (and
         # skip, halving the scale), others fit.
-        model = keras_models.mixed_float16_model(
+        model = monitor_models.mixed_float16_model(
             _INITIAL_SCALE, jit_compile=jit_compile)
     x, y = data.summed_data(_BATCH, _STEPS)
     expect = _Expect(x, y, replicas, jit_compile)
@@ -143,7 +143,7 @@ def test_the_option_is_off_again_after_fit(stats_run):
 
 def test_underflow_share_counts_values_below_float16_normals():
     # A scale of 2**-20 pushes nearly every gradient value below 2**-14.
-    model = keras_models.mixed_float16_model(2.0**-20)
+    model = monitor_models.mixed_float16_model(2.0**-20)
     x, y = data.summed_data(_BATCH)
     expect = _Expect(x, y, 1)
 
@@ -156,7 +156,7 @@ def test_underflow_share_counts_values_below_float16_normals():
 
 
 def test_a_step_traced_before_the_monitor_is_traced_again_with_it():
-    model = keras_models.mixed_float16_model(_INITIAL_SCALE)
+    model = monitor_models.mixed_float16_model(_INITIAL_SCALE)
     x, y = data.summed_data(_BATCH, _STEPS)
     model.fit(x, y, batch_size=_BATCH, epochs=1, shuffle=False, verbose=0)
     expect = _Expect(x, y, 1)
@@ -174,7 +174,7 @@ class _KeepStats(keras.callbacks.Callback):
 
 
 def test_steps_after_the_monitors_fit_record_nothing():
-    model = keras_models.mixed_float16_model(_INITIAL_SCALE)
+    model = monitor_models.mixed_float16_model(_INITIAL_SCALE)
     x, y = data.summed_data(_BATCH, _STEPS)
     keep = _KeepStats()
     model.fit(x, y, batch_size=_BATCH, epochs=1, shuffle=False, verbose=0,
@@ -231,7 +231,7 @@ def _traced_step(model, x, y):
 
 
 def test_a_step_traced_without_the_option_has_none_of_its_ops():
-    model = keras_models.mixed_float16_model(_INITIAL_SCALE)
+    model = monitor_models.mixed_float16_model(_INITIAL_SCALE)
     x, y = data.summed_data(_BATCH)
     model.optimizer.build(model.trainable_variables)
     off = _traced_step(model, x, y)
