@@ -29,12 +29,11 @@ import tensorflow as tf
 
 from tests.support import dynamic_rule_model
 from tests.support import multi_worker_loss_scale_worker as worker_program
+from tests.support import paths
 
 NUM_WORKERS = 2
 POISONED_WORKER = 1
-WORKER_SCRIPT = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)),
-    "multi_worker_loss_scale_worker.py")
+WORKER_SCRIPT = paths.script("multi_worker_loss_scale_worker.py")
 # Generous: the workers usually finish in seconds, but the machine is shared.
 WORKER_TIMEOUT_SECONDS = 300
 STDERR_TAIL_CHARS = 4000
