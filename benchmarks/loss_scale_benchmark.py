@@ -31,7 +31,8 @@ Sections (`lsbench/sections/`, run in this order; `--only` picks some):
             in a traced step)
 
 `--quick` uses small gradient sets, a 6x16 MLP and one round: it checks that
-everything runs (tests/test_benchmark_quick.py); its figures mean nothing.
+everything runs (tests/tools/test_benchmark_quick.py); its figures mean
+nothing.
 
 Adding a section (for instance the cost of an opt-in monitor feature): write
 a module `lsbench/sections/<name>.py` with

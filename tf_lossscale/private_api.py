@@ -2,8 +2,9 @@
 
 The rest of the package calls the functions and classes here instead of
 reaching into other libraries: when a release renames, removes or changes
-one of these, this module is where it shows, and `tests/test_private_api.py`
-fails naming the entry and the releases installed.
+one of these, this module is where it shows, and
+`tests/tools/test_private_api.py` fails naming the entry and the releases
+installed.
 
 Each entry says what it relies on and the releases it was checked on. All
 were checked on TensorFlow 2.16.2 and 2.21.0, Keras 3.10.0 and 3.15.1,

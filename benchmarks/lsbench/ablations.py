@@ -1,9 +1,9 @@
 """tf_lossscale's Keras 3 step with exactly one feature taken away.
 
 Each ablation is built on a seam the step really runs through, never on a
-method it might stop calling, and `tests/test_benchmark_ablations.py` traces
-each one and checks that it holds fewer of the ops it claims to remove than
-the full step. The difference in cost between the full step and an ablation
+method it might stop calling, and `tests/tools/test_benchmark_ablations.py`
+traces each one and checks that it holds fewer of the ops it claims to
+remove than the full step. The difference in cost between the full step and an ablation
 is what that feature costs (`sections.fit_step`, `sections.xla_fit`,
 `sections.replicas`).
 

@@ -63,7 +63,8 @@ def make_strategy(num_devices):
     """MirroredStrategy over the first `num_devices` CPUs; None for one.
 
     Reducing through one device, not collectives, lets `run` be called again
-    in one process with another device count (tests/strategies.py says why).
+    in one process with another device count (tests/support/strategies.py
+    says why).
     """
     if num_devices == 1:
         return None

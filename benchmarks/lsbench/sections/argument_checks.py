@@ -11,7 +11,7 @@
    200 small variables (20 in quick runs), with the checks and with them
    replaced by a plain `list`, and the checks alone. Many small variables
    make the per-variable checks weigh the most. Inside a `tf.function` the
-   checks run only while tracing (`tests/test_hostile_inputs.py` proves
+   checks run only while tracing (`tests/step/test_hostile_inputs.py` proves
    they add no op to the graph), so `fit` does not pay them per step.
 
 The whole-step ratios carry the machine's noise (a few percent on a shared

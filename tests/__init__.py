@@ -1,0 +1,7 @@
+"""tf_lossscale's test suite: one folder per area, helpers in `tests.support`.
+
+A package (as is each area folder) so that test files of the same name in
+two areas do not collide, and so that every test imports its helpers the
+same way: `from tests.support import strategies`. `docs/development.md`
+lists the areas.
+"""

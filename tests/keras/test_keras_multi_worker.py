@@ -1,0 +1,41 @@
+"""`LossScaleOptimizer` under MultiWorkerMirroredStrategy with two processes.
+
+The test starts two local workers (`multi_worker_keras_worker.py`) that train
+one model in a custom loop; only worker 1 ever sees a NaN. Every worker has to
+skip those steps: a worker that applied while the other skipped would wait in
+the gradient all-reduce for a peer that never comes (REFERENCE.md: Keras 3's
+own LossScaleOptimizer kills the job that way).
+
+Keras 3.15's `model.fit` fails under this strategy even in float32 without
+loss scaling, so only custom loops are tested here.
+"""
+
+import numpy as np
+
+from tests.support import multi_worker_job as job_lib
+
+_JOB = job_lib.JOB
+_NUM_WORKERS = job_lib.NUM_WORKERS
+
+
+def test_nan_on_one_worker_skips_the_step_on_every_worker(tmp_path):
+    reports = job_lib.run_workers(_JOB, tmp_path)
+
+    assert sorted(r["task_id"] for r in reports) == [0, 1]
+    assert all(r["num_replicas"] == _NUM_WORKERS for r in reports)
+    first, second = reports
+    np.testing.assert_array_equal(first["weights"], second["weights"])
+    assert first["scale"] == second["scale"]
+    assert first["iterations"] == second["iterations"]
+    assert first["skipped_steps"] == second["skipped_steps"]
+
+    weights = np.array(first["weights"])
+    assert np.isfinite(weights).all()
+    assert first["scale"] == job_lib.reference_scale_trace(_JOB)
+    num_nan_steps = len(_JOB["nan_steps"])
+    assert first["skipped_steps"][-1] == num_nan_steps
+    assert first["iterations"][-1] == _JOB["steps"] - num_nan_steps
+    # Comparing with one device also shows that the applied steps used the
+    # gradients of both workers.
+    np.testing.assert_allclose(weights, job_lib.single_process_weights(_JOB),
+                               rtol=1e-5, atol=1e-6)

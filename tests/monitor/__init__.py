@@ -1,0 +1,2 @@
+"""Tests of the Keras callbacks `LossScaleMonitor` and its gradient
+statistics, and of `tf_lossscale.gradient_stats`."""

@@ -1,0 +1,98 @@
+"""The tf-keras half of the constructor sweep in `test_hostile_inputs.py`.
+
+Not a test: the test runs this script once with `TF_USE_LEGACY_KERAS=1` (so
+`tf.keras` is tf-keras and `tf_lossscale.LossScaleOptimizer` wraps tf-keras
+optimizers, both kinds) and reads the one JSON line it prints last:
+`{case_id: {"error": the names of the exception's classes (its MRO) or
+None, "message": its first 2000 characters, "length": its length,
+"created": names of variables created, "inner_reusable": whether the inner
+optimizer can still be wrapped}}`. The
+cases are `hostile_values.OPTIMIZER` for each kind and
+`hostile_values.MONITOR`; the test judges the results.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+import tf_lossscale  # pylint: disable=g-import-not-at-top
+
+# Run as a script: the repository's root first on the path, for
+# `tests.support`.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
+from tests.support import hostile_values  # pylint: disable=g-import-not-at-top
+
+keras = tf.keras
+KINDS = {
+    "optimizer": lambda: keras.optimizers.SGD(0.1),
+    "legacy": lambda: keras.optimizers.legacy.SGD(0.1),
+}
+
+
+def _attempt(make):
+    """Runs `make()`; returns (exception or None, created variable names)."""
+    created = []
+
+    def creator(next_creator, **kwargs):
+        created.append(kwargs.get("name"))
+        return next_creator(**kwargs)
+
+    with tf.variable_creator_scope(creator):
+        try:
+            make()
+        except Exception as error:  # pylint: disable=broad-except
+            return error, created
+    return None, created
+
+
+def _result(error, created, inner_reusable):
+    message = "" if error is None else str(error)
+    # Every class the exception is an instance of: a test expecting a
+    # ValueError accepts one that is also a TypeError.
+    return {"error": None if error is None else [
+        klass.__name__ for klass in type(error).__mro__],
+            "message": message[:2000], "length": len(message),
+            "created": [str(name) for name in created],
+            "inner_reusable": inner_reusable}
+
+
+def optimizer_case(kind, case):
+    inner = KINDS[kind]()
+    value = case.make(keras)
+    if case.argument == "inner_optimizer":
+        error, created = _attempt(
+            lambda: tf_lossscale.LossScaleOptimizer(value))
+    else:
+        error, created = _attempt(lambda: tf_lossscale.LossScaleOptimizer(
+            inner, **{case.argument: value}))
+    # A refused wrapper must not keep the inner optimizer.
+    reusable, _ = _attempt(lambda: tf_lossscale.LossScaleOptimizer(inner))
+    return _result(error, created, reusable is None)
+
+
+def monitor_case(case):
+    value = case.make(keras)
+    error, created = _attempt(
+        lambda: tf_lossscale.LossScaleMonitor(**{case.argument: value}))
+    return _result(error, created, True)
+
+
+def main():
+    assert keras.__name__.startswith("tf_keras"), keras.__name__
+    results = {}
+    for kind in KINDS:
+        for case in hostile_values.OPTIMIZER:
+            key = f"{kind}-{hostile_values.case_id(case)}"
+            results[key] = optimizer_case(kind, case)
+    for case in hostile_values.MONITOR:
+        results[f"monitor-{hostile_values.case_id(case)}"] = monitor_case(case)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

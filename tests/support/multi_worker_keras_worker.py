@@ -1,0 +1,133 @@
+"""One worker of a MultiWorkerMirroredStrategy job training a tiny Keras model.
+
+Not a test: `tests/keras/test_keras_multi_worker.py` starts one process per
+worker, each with its own `TF_CONFIG`, and passes every worker the same JSON
+job as the only argument:
+
+    {"steps": 6, "nan_steps": [1, 4], "nan_task": 1,
+     "initial_loss_scale": 4.0, "increment_period": 2}
+
+Every worker trains the same model with a `tf_lossscale.LossScaleOptimizer`
+in a custom training loop (`strategy.run` of a `tf.function` step using
+`get_scaled_loss`, `get_unscaled_gradients` and `apply_gradients`). Each worker
+reads its own dataset; the worker whose task id is `nan_task` finds a NaN in
+its batch at each step listed in `nan_steps`, the other workers never do.
+
+The worker prints one JSON line with what it saw after each step:
+
+    {"task_id": 1, "num_replicas": 2, "scale": [...], "weights": [[...], ...],
+     "iterations": [...], "skipped_steps": [...]}
+
+The data and the initial weights come from functions here that the test also
+imports, so it can replay the job in one process. With `TF_USE_LEGACY_KERAS=1`
+the worker trains with tf-keras (`tf.keras` is then tf-keras), as
+`tests/tf_keras/test_tf_keras_multi_worker.py` runs it.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # pylint: disable=g-import-not-at-top
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+import keras  # pylint: disable=g-import-not-at-top
+import tf_lossscale  # pylint: disable=g-import-not-at-top
+
+if os.environ.get("TF_USE_LEGACY_KERAS") == "1":
+    keras = tf.keras  # tf-keras, as its users reach it.
+
+NUM_FEATURES = 3
+LOCAL_BATCH_SIZE = 4
+
+
+def worker_batches(task_id, job):
+    """`(x, y)` arrays of shape `[steps, LOCAL_BATCH_SIZE, ...]` for a worker.
+
+    Finite except at `job["nan_steps"]` on worker `job["nan_task"]`.
+    """
+    rng = np.random.default_rng(100 + task_id)
+    x = rng.normal(size=(job["steps"], LOCAL_BATCH_SIZE, NUM_FEATURES))
+    y = rng.normal(size=(job["steps"], LOCAL_BATCH_SIZE, 1))
+    if task_id == job["nan_task"]:
+        for step in job["nan_steps"]:
+            x[step, 1, 0] = np.nan
+    return x.astype(np.float32), y.astype(np.float32)
+
+
+def build_model(keras=keras):  # pylint: disable=redefined-outer-name
+    """The model with fixed initial weights, the same in every process."""
+    model = keras.Sequential([
+        keras.Input((NUM_FEATURES,)),
+        keras.layers.Dense(2),
+        keras.layers.Dense(1),
+    ])
+    rng = np.random.default_rng(7)
+    model.set_weights([rng.normal(size=w.shape).astype(np.float32)
+                       for w in model.get_weights()])
+    return model
+
+
+def make_inner_optimizer(keras=keras):  # pylint: disable=redefined-outer-name
+    # Momentum slots make a wrongly applied skipped step visible in every
+    # later step, not only in the step itself.
+    return keras.optimizers.SGD(learning_rate=0.05, momentum=0.9)
+
+
+def per_example_loss(model, x, y):
+    return tf.reduce_sum(tf.square(model(x) - y), axis=-1)
+
+
+def main(argv):
+    job = json.loads(argv[1])
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    task_id = strategy.cluster_resolver.task_id
+    global_batch_size = LOCAL_BATCH_SIZE * strategy.num_replicas_in_sync
+
+    with strategy.scope():
+        model = build_model()
+        optimizer = tf_lossscale.LossScaleOptimizer(
+            make_inner_optimizer(),
+            loss_scale=tf_lossscale.DynamicLossScale(
+                job["initial_loss_scale"], job["increment_period"]))
+        optimizer.build(model.trainable_variables)
+
+    def dataset_fn(input_context):
+        x, y = worker_batches(input_context.input_pipeline_id, job)
+        return tf.data.Dataset.from_tensor_slices((x, y))
+
+    dataset = strategy.distribute_datasets_from_function(dataset_fn)
+
+    def replica_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(
+                per_example_loss(model, x, y),
+                global_batch_size=global_batch_size)
+            scaled_loss = optimizer.get_scaled_loss(loss)
+        scaled_grads = tape.gradient(scaled_loss, model.trainable_variables)
+        grads = optimizer.get_unscaled_gradients(scaled_grads)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    @tf.function
+    def train_step(inputs):
+        strategy.run(replica_step, args=inputs)
+
+    observed = {
+        "task_id": task_id,
+        "num_replicas": strategy.num_replicas_in_sync,
+        "scale": [], "weights": [], "iterations": [], "skipped_steps": [],
+    }
+    for inputs in dataset:
+        train_step(inputs)
+        observed["scale"].append(float(optimizer.loss_scale()))
+        observed["weights"].append(
+            [float(v) for w in model.get_weights() for v in w.ravel()])
+        observed["iterations"].append(int(optimizer.iterations.numpy()))
+        observed["skipped_steps"].append(int(optimizer.skipped_steps))
+    print(json.dumps(observed), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv)

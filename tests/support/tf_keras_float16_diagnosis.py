@@ -1,0 +1,137 @@
+"""The float16 diagnosis and the monitor's gradient figures with tf-keras.
+
+Not a test: `tests/diagnosis/test_diagnosis.py` runs this script with
+`TF_USE_LEGACY_KERAS=1` (so `tf.keras` is tf-keras) and reads the one JSON
+line it prints last: `{check_name: "ok" | "<traceback>"}`. Each check
+compares with results computed in this run. The process splits its CPU into
+2 logical devices first, for MirroredStrategy.
+"""
+
+import json
+import math
+import os
+import sys
+import traceback
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # pylint: disable=g-import-not-at-top
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+tf.config.set_logical_device_configuration(
+    tf.config.list_physical_devices("CPU")[0],
+    [tf.config.LogicalDeviceConfiguration()] * 2)
+
+import tf_lossscale  # pylint: disable=g-import-not-at-top
+
+# Run as a script: the repository's root first on the path, for
+# `tests.support`.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
+from tests.support import float16_models  # pylint: disable=g-import-not-at-top
+from tests.support import strategies  # pylint: disable=g-import-not-at-top
+
+keras = tf.keras
+CHECKS = {}
+_SCALES = [2.0**k for k in range(0, 33, 2)]
+
+
+def check(fn):
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+@check
+def overflowing_layer_is_named():
+    model = float16_models.overflowing_model(keras)
+    report = tf_lossscale.diagnose(model, float16_models.overflowing_data(),
+                                   scales=_SCALES)
+    assert report.first_nonfinite_layer == "boom", report
+    assert report.keep_in_float32[0] == "boom", report
+    assert report.loss_scale_range is None
+
+
+@check
+def underflowing_variables_are_named_with_a_higher_scale():
+    model = float16_models.underflowing_model(keras)
+    report = tf_lossscale.diagnose(model, float16_models.underflowing_data())
+    hidden = [v.name for v in model.get_layer("hidden").trainable_weights]
+    assert set(hidden) <= set(report.underflowing_variables), report
+    assert report.loss_scale_range[0] > 1, report
+    assert report.keep_in_float32 == [], report
+
+
+@check
+def diagnosis_leaves_the_model_as_it_was():
+    model = float16_models.underflowing_model(
+        keras, optimizer=tf_lossscale.LossScaleOptimizer(
+            keras.optimizers.Adam(1e-3)))
+    x = float16_models.inputs()
+    model.fit(x, float16_models.underflowing_targets(x), batch_size=16,
+              verbose=0)
+
+    def state():
+        return ([w.numpy().tobytes() for w in model.weights],
+                [v.numpy().tobytes() for v in model.optimizer.variables],
+                [layer.dtype_policy.name for layer in model.layers],
+                keras.mixed_precision.global_policy().name)
+
+    before = state()
+    tf_lossscale.diagnose(model, float16_models.underflowing_data(),
+                          scales=[1.0, 2.0**12])
+    assert state() == before
+
+
+@check
+def under_mirrored_layer_figures_are_the_whole_batchs():
+    with strategies.mirrored(2).scope():
+        distributed = float16_models.underflowing_model(keras)
+    single = float16_models.underflowing_model(keras)
+    data = float16_models.underflowing_data()
+    mirrored = tf_lossscale.diagnose(distributed, data,
+                                     scales=_SCALES).as_dict()
+    whole = tf_lossscale.diagnose(single, data, scales=_SCALES).as_dict()
+    assert mirrored["replicas"] == 2
+    assert mirrored["layers"] == whole["layers"]
+
+
+@check
+def monitor_logs_gradient_stats():
+    model = float16_models.underflowing_model(
+        keras, optimizer=tf_lossscale.LossScaleOptimizer(
+            keras.optimizers.SGD(0.01), loss_scale=2.0**10))
+    (x, y), = float16_models.underflowing_data()[:1]
+    half = [v for layer in model.layers for v in layer.trainable_weights
+            if layer.dtype_policy.compute_dtype == "float16"]
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(keras.losses.mean_squared_error(
+            y, model(x, training=True))) * 2.0**10
+    values = np.abs(np.concatenate(
+        [np.ravel(g) for g in tape.gradient(loss, half)]))
+    expected = (float(np.mean(values < 2.0**-14)),
+                math.log2(65504.0) - math.log2(float(values.max())))
+
+    history = model.fit(
+        x, y, batch_size=16, verbose=0,
+        callbacks=[tf_lossscale.LossScaleMonitor(gradient_stats=True)])
+
+    logged = (history.history["grad_underflow_share"][0],
+              history.history["grad_headroom_log2"][0])
+    assert logged == expected, (logged, expected)
+    assert model.optimizer._gradient_stats is None  # pylint: disable=protected-access
+
+
+def main():
+    assert "tf_keras" in keras.__name__, keras.__name__
+    results = {}
+    for name, fn in CHECKS.items():
+        try:
+            fn()
+            results[name] = "ok"
+        except Exception:  # pylint: disable=broad-except
+            results[name] = traceback.format_exc()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,439 @@
+"""tf-keras users' journeys with `tf_lossscale`, run as one subprocess.
+
+Not a test: `tests/tf_keras/test_tf_keras_journeys.py` runs this script with
+`TF_USE_LEGACY_KERAS=1` (so `tf.keras` is tf-keras, Keras 2) and reads the one
+JSON line it prints last: `{journey_name: "ok" | "<traceback>"}`. Each journey
+is written as a tf-keras user would write it (`tf.keras...`,
+`tf_lossscale.LossScaleOptimizer(tf.keras.optimizers.Adam(), loss_scale=...)`)
+and checks its own results, computed in this run. One process runs them all:
+importing TensorFlow costs seconds.
+
+The process splits its CPU into 4 logical devices first, for MirroredStrategy.
+"""
+
+import csv
+import json
+import os
+import sys
+import tempfile
+import traceback
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # pylint: disable=g-import-not-at-top
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+tf.config.set_logical_device_configuration(
+    tf.config.list_physical_devices("CPU")[0],
+    [tf.config.LogicalDeviceConfiguration()] * 4)
+
+import tf_lossscale  # pylint: disable=g-import-not-at-top
+
+# Run as a script: the repository's root first on the path, for
+# `tests.support`.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
+from tests.support import data  # pylint: disable=g-import-not-at-top
+from tests.support import strategies  # pylint: disable=g-import-not-at-top
+
+keras = tf.keras
+JOURNEYS = {}
+_TMP = tempfile.mkdtemp()
+
+
+def journey(fn):
+    JOURNEYS[fn.__name__] = fn
+    return fn
+
+
+def _model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((3,)),
+        keras.layers.Dense(8, activation="relu"),
+        keras.layers.Dense(1, dtype="float32"),
+    ])
+
+
+def _ours(inner, initial=2.0**10, period=1000):
+    return tf_lossscale.LossScaleOptimizer(
+        inner, loss_scale=tf_lossscale.DynamicLossScale(initial, period))
+
+
+def _fit(optimizer, nan_batches=(), callbacks=(), batches=6, model=None):
+    model = model or _model()
+    model.compile(optimizer=optimizer, loss="mse")
+    x, y = data.summed_data(8, batches, nan_batches=nan_batches, nan_row=-1)
+    history = model.fit(x, y, batch_size=8, shuffle=False, verbose=0,
+                        callbacks=list(callbacks))
+    return model, history
+
+
+def _close(a, b, rtol=1e-3, atol=1e-4):
+    assert len(a) == len(b)
+    for u, v in zip(a, b):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol,
+                                   atol=atol)
+
+
+def _optimizer_values(optimizer):
+    variables = optimizer.inner_optimizer.variables
+    variables = variables() if callable(variables) else variables
+    return [v.numpy() for v in variables]
+
+
+@journey
+def wrapping_tf_keras_and_legacy_optimizers_gives_a_tf_keras_wrapper():
+    assert keras.__name__.startswith("tf_keras"), keras.__name__
+    for inner in (keras.optimizers.Adam(), keras.optimizers.legacy.Adam()):
+        optimizer = tf_lossscale.LossScaleOptimizer(inner, loss_scale=128)
+        assert isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer)
+        assert optimizer.inner_optimizer is inner
+
+
+@journey
+def compile_under_mixed_float16_keeps_the_wrapper_without_double_scaling():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        for make_inner in (lambda: keras.optimizers.SGD(0.05),
+                           lambda: keras.optimizers.legacy.SGD(0.05)):
+            optimizer = _ours(make_inner())
+            model, _ = _fit(optimizer)
+            assert model.optimizer is optimizer
+            theirs = keras.mixed_precision.LossScaleOptimizer(
+                make_inner(), initial_scale=2.0**10)
+            reference, _ = _fit(theirs)
+            # The same training as with tf-keras' own wrapper: the loss was
+            # scaled once and the gradients unscaled once.
+            _close(model.get_weights(), reference.get_weights())
+            assert int(optimizer.iterations) == 6
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+@journey
+def fit_skips_a_non_finite_step_leaving_weights_slots_and_iterations():
+    for make_inner in (lambda: keras.optimizers.Adam(0.01),
+                       lambda: keras.optimizers.legacy.Adam(0.01)):
+        skipped, _ = _fit(_ours(make_inner()), nan_batches=[2])
+        optimizer = skipped.optimizer
+        assert int(optimizer.skipped_steps) == 1
+        assert int(optimizer.iterations) == 5
+        assert float(optimizer.loss_scale()) == 2.0**9
+        # Training the five finite batches only gives the same state.
+        x, y = data.summed_data(8, 6, nan_batches=[2], nan_row=-1)
+        keep = np.isfinite(x).all(axis=1)
+        keep[16:24] = False
+        clean = _model()
+        clean.compile(optimizer=_ours(make_inner()), loss="mse")
+        clean.fit(x[keep], y[keep], batch_size=8, shuffle=False, verbose=0)
+        _close(skipped.get_weights(), clean.get_weights(), 1e-5, 1e-6)
+        _close(_optimizer_values(optimizer),
+               _optimizer_values(clean.optimizer), 1e-5, 1e-6)
+
+
+@journey
+def custom_loop_and_minimize_skip_non_finite_steps():
+    for make_inner in (lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+                       lambda: keras.optimizers.legacy.SGD(0.1, momentum=0.9)):
+        model, optimizer = _model(), _ours(make_inner(), initial=8.0)
+
+        @tf.function
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(x) - y))
+                scaled = optimizer.get_scaled_loss(loss)
+            grads = optimizer.get_unscaled_gradients(
+                tape.gradient(scaled, model.trainable_variables))
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+        x, y = data.summed_data(8, 3, nan_batches=[1], nan_row=-1)
+        step(x[:8], y[:8])
+        before = [v.numpy() for v in model.weights] + _optimizer_values(
+            optimizer)
+        step(x[8:16], y[8:16])
+        after = [v.numpy() for v in model.weights] + _optimizer_values(
+            optimizer)
+        for a, b in zip(before, after):
+            np.testing.assert_array_equal(a, b)
+        optimizer.minimize(
+            lambda: tf.reduce_mean(tf.square(model(x[8:16]) - y[8:16])),
+            model.trainable_variables)
+        assert int(optimizer.skipped_steps) == 2
+        optimizer.minimize(
+            lambda: tf.reduce_mean(tf.square(model(x[16:]) - y[16:])),
+            model.trainable_variables)
+        assert int(optimizer.iterations) == 2
+        assert float(optimizer.loss_scale()) == 2.0
+
+
+@journey
+def fit_under_mirrored_strategy_skips_a_nan_on_one_replica():
+    strategy = strategies.mirrored(4)
+    for make_inner in (lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+                       lambda: keras.optimizers.legacy.SGD(0.05,
+                                                           momentum=0.9)):
+        with strategy.scope():
+            optimizer = _ours(make_inner())
+            model = _model()
+            # The NaN is the last sample of batch 2: replica 3's part.
+            _fit(optimizer, nan_batches=[2], model=model)
+        assert int(optimizer.skipped_steps) == 1
+        assert int(optimizer.iterations.numpy()) == 5
+        assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
+def _trained_for_saving(make_inner):
+    model, _ = _fit(_ours(make_inner(), initial=2.0**12, period=3),
+                    nan_batches=[1, 4])
+    optimizer = model.optimizer
+    state = (float(optimizer.loss_scale()), int(optimizer.dynamic_counter),
+             int(optimizer.skipped_steps))
+    assert state == (2.0**10, 1, 2), state
+    return model, state
+
+
+@journey
+def keras_h5_and_saved_model_files_keep_the_wrapper_and_the_scale():
+    kinds = {"optimizer": lambda: keras.optimizers.Adam(0.01),
+             "legacy": lambda: keras.optimizers.legacy.Adam(0.01)}
+    for kind, make_inner in kinds.items():
+        model, state = _trained_for_saving(make_inner)
+        # tf-keras writes no state of legacy optimizers into .keras files.
+        formats = ("model.h5", "saved_model") + (
+            ("model.keras",) if kind == "optimizer" else ())
+        for name in formats:
+            path = os.path.join(_TMP, f"{kind}_{name}")
+            model.save(path)
+            loaded = keras.models.load_model(path)
+            optimizer = loaded.optimizer
+            assert type(optimizer) is type(model.optimizer), (name, optimizer)
+            if name == "saved_model":
+                # tf-keras' load_model compiles a fresh optimizer from a
+                # SavedModel, its own wrapper's too; the state is in the
+                # SavedModel's variables, a checkpoint of the model.
+                if kind == "legacy":
+                    optimizer._create_all_weights(loaded.trainable_variables)  # pylint: disable=protected-access
+                else:
+                    optimizer.build(loaded.trainable_variables)
+                tf.train.Checkpoint(root=loaded).restore(os.path.join(
+                    path, "variables", "variables")).expect_partial()
+            assert (float(optimizer.loss_scale()),
+                    int(optimizer.dynamic_counter),
+                    int(optimizer.skipped_steps)) == state, (kind, name)
+            _close(_optimizer_values(optimizer),
+                   _optimizer_values(model.optimizer), 0, 0)
+
+
+@journey
+def tf_keras_code_reads_the_scale_and_asks_isinstance():
+    # What tf-keras code does with its own wrapper, with ours.
+    class LogScale(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            logs["scale"] = keras.backend.get_value(
+                self.model.optimizer.loss_scale)
+
+    model, history = _fit(_ours(keras.optimizers.SGD(0.01)), nan_batches=[1],
+                          callbacks=[LogScale()])
+    optimizer = model.optimizer
+    assert history.history["scale"] == [float(optimizer.loss_scale)] == [
+        float(optimizer.loss_scale())] == [2.0**9]
+    for name in ("model.keras", "model.h5"):
+        path = os.path.join(_TMP, f"isinstance_{name}")
+        model.save(path)
+        loaded = keras.models.load_model(path).optimizer
+        assert isinstance(loaded, tf_lossscale.LossScaleOptimizer), name
+        assert isinstance(loaded, keras.mixed_precision.LossScaleOptimizer)
+        assert float(loaded.loss_scale) == 2.0**9, name
+    try:
+        tf_lossscale.LossScaleOptimizer(1)
+    except TypeError as error:
+        assert "`tf.keras.optimizers.Optimizer`" in str(error), error
+    else:
+        raise AssertionError("a non-optimizer was wrapped")
+
+
+@journey
+def checkpoints_of_tf_keras_own_wrapper_restore_into_ours_and_back():
+    theirs_model, _ = _fit(keras.mixed_precision.LossScaleOptimizer(
+        keras.optimizers.Adam(0.01), initial_scale=2.0**12,
+        dynamic_growth_steps=1000), nan_batches=[1])
+    theirs = theirs_model.optimizer
+    path = tf.train.Checkpoint(optimizer=theirs, model=theirs_model).save(
+        os.path.join(_TMP, "theirs"))
+    model = _model()
+    ours = _ours(keras.optimizers.Adam(0.01), initial=1.0)
+    ours.build(model.trainable_variables)
+    tf.train.Checkpoint(optimizer=ours, model=model).restore(
+        path).expect_partial()
+    assert float(ours.loss_scale()) == float(theirs.loss_scale) == 2.0**11
+    assert int(ours.dynamic_counter) == int(theirs.dynamic_counter)
+    _close(_optimizer_values(ours), _optimizer_values(theirs), 0, 0)
+
+    path = tf.train.Checkpoint(optimizer=ours, model=model).save(
+        os.path.join(_TMP, "ours"))
+    back = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.Adam())
+    back.build(model.trainable_variables)
+    tf.train.Checkpoint(optimizer=back, model=_model()).restore(
+        path).expect_partial()
+    assert float(back.loss_scale) == 2.0**11
+    assert int(back.dynamic_counter) == int(ours.dynamic_counter)
+
+
+@journey
+def configs_written_by_tf_keras_wrapper_load():
+    for inner in (keras.optimizers.Adam(), keras.optimizers.legacy.Adam()):
+        theirs = keras.mixed_precision.LossScaleOptimizer(
+            inner, dynamic=False, initial_scale=64.0)
+        ours = tf_lossscale.LossScaleOptimizer.from_config(theirs.get_config())
+        assert isinstance(ours, keras.mixed_precision.LossScaleOptimizer)
+        assert isinstance(ours.loss_scale, tf_lossscale.FixedLossScale)
+        assert float(ours.loss_scale()) == 64.0
+        assert type(ours.inner_optimizer) is type(inner)
+        config = keras.optimizers.serialize(ours)
+        again = keras.optimizers.deserialize(config)
+        assert again.get_config() == ours.get_config()
+
+
+@journey
+def fixed_scale_that_skips_non_finite_steps():
+    model, _ = _fit(tf_lossscale.LossScaleOptimizer(
+        keras.optimizers.SGD(0.01),
+        loss_scale=tf_lossscale.FixedLossScale(1, skip_non_finite=True)),
+        nan_batches=[0, 3])
+    optimizer = model.optimizer
+    assert (int(optimizer.skipped_steps), int(optimizer.iterations)) == (2, 4)
+    assert float(optimizer.loss_scale()) == 1.0
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    # Which gradients a NaN input reaches depends on the CPU's relu kernel
+    # (relu(NaN) is NaN on some, 0 on others), not on the weights (NaN times
+    # anything stays NaN): the expected names are those whose gradient on
+    # the last NaN batch is non-finite here. The first kernel always is.
+    x, y = data.summed_data(8, 6, nan_batches=[3], nan_row=-1)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(x[24:32]) - y[24:32]))
+    grads = tape.gradient(loss, model.trainable_variables)
+    expected = [variable.name.split(":")[0] for variable, grad
+                in zip(model.trainable_variables, grads)
+                if not np.isfinite(grad.numpy()).all()]
+    assert model.trainable_variables[0].name.split(":")[0] in expected, (
+        expected)
+    assert optimizer.last_nonfinite_variables() == expected
+
+
+@journey
+def xla_fit_needs_a_watcher_for_the_failure_policy():
+    # jit_compile=True, as on a GPU: without a watcher the step fails before
+    # it runs, naming the fix; with XlaChecks it raises at the floor.
+    loss_scale = tf_lossscale.DynamicLossScale(1.0, on_min_loss_scale="raise")
+    model = _model()
+    optimizer = tf_lossscale.LossScaleOptimizer(keras.optimizers.SGD(0.01),
+                                                loss_scale=loss_scale)
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=True)
+    x, y = data.summed_data(8, 6)
+    weights = model.get_weights()
+    try:
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    except RuntimeError as error:
+        assert "tf_lossscale.XlaChecks()" in str(error), error
+    else:
+        raise AssertionError("an unwatched XLA step ran")
+    for now, before in zip(model.get_weights(), weights):
+        np.testing.assert_array_equal(now, before)
+    checks = tf_lossscale.XlaChecks()
+    assert isinstance(checks, keras.callbacks.Callback)
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0,
+              callbacks=[checks])
+    weights = model.get_weights()
+    x, y = data.summed_data(8, 2, nan_batches=[0], nan_row=-1)
+    try:
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0,
+                  callbacks=[checks])
+    except tf.errors.InvalidArgumentError as error:
+        assert "min_loss_scale=1.0" in str(error), error
+    else:
+        raise AssertionError("no error at the floor under XLA")
+    for now, before in zip(model.get_weights(), weights):
+        np.testing.assert_array_equal(now, before)
+    assert int(optimizer.iterations) == 6
+
+
+@journey
+def loss_scale_state_from_a_file_is_checked_field_by_field():
+    # set_weights (what .h5 and .keras files go through): a counter an int64
+    # cannot hold exactly is refused before anything is assigned, naming it;
+    # an out-of-range counter loads and the first step refuses it.
+    loss_scale = tf_lossscale.DynamicLossScale(8.0, 5, hysteresis=3,
+                                               max_consecutive_skips=4)
+    model, _ = _fit(tf_lossscale.LossScaleOptimizer(
+        keras.optimizers.SGD(0.01), loss_scale=loss_scale), batches=1)
+    optimizer = model.optimizer
+    weights = optimizer.get_weights()
+    first = len(weights) - len(loss_scale.variables) - 2  # Then the wrapper's.
+    for index, value, field in [(1, 1.5, "good_steps"),
+                                (1, np.nan, "good_steps"),
+                                (3, 1e30, "consecutive_skips"),
+                                (2, np.zeros(3), "hysteresis_remaining")]:
+        crafted = list(weights)
+        crafted[first + index] = np.asarray(value)
+        try:
+            optimizer.set_weights(crafted)
+        except ValueError as error:
+            assert f"loss scale's {field} in this file" in str(error), error
+        else:
+            raise AssertionError(f"{field}={value!r} was loaded")
+        for now, before in zip(optimizer.get_weights(), weights):
+            np.testing.assert_array_equal(now, before)
+    loss_scale.variables[2].assign(-1)
+    path = os.path.join(_TMP, "bad_budget.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert int(loaded.optimizer.loss_scale.variables[2].numpy()) == -1
+    try:
+        loaded.fit(*data.summed_data(8), batch_size=8, verbose=0)
+    except tf.errors.InvalidArgumentError as error:
+        assert "hysteresis_remaining" in str(error), error
+        assert "-1" in str(error), error
+    else:
+        raise AssertionError("hysteresis_remaining=-1 trained on")
+    assert int(loaded.optimizer.iterations) == 1
+
+
+@journey
+def loss_scale_monitor_logs_to_history_csv_and_tensorboard():
+    monitor = tf_lossscale.LossScaleMonitor(verbose=True)
+    assert isinstance(monitor, keras.callbacks.Callback)
+    csv_path = os.path.join(_TMP, "log.csv")
+    logdir = os.path.join(_TMP, "tb")
+    model, history = _fit(
+        _ours(keras.optimizers.SGD(0.01)), nan_batches=[1],
+        callbacks=[monitor, keras.callbacks.CSVLogger(csv_path),
+                   keras.callbacks.TensorBoard(logdir, write_graph=False)])
+    assert history.history["loss_scale"] == [2.0**9]
+    assert history.history["skipped_steps"] == [1]
+    rows = list(csv.DictReader(open(csv_path)))
+    assert (float(rows[0]["loss_scale"]), int(rows[0]["skipped_steps"])) == (
+        2.0**9, 1)
+    tags = {}
+    for path in tf.io.gfile.glob(f"{logdir}/train/events.out.tfevents.*"):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                tags[value.tag] = float(tf.make_ndarray(value.tensor))
+    assert tags["epoch_loss_scale"] == 2.0**9, tags
+    assert tags["epoch_skipped_steps"] == 1.0
+    del model
+
+
+def main():
+    results = {}
+    for name, fn in JOURNEYS.items():
+        try:
+            fn()
+            results[name] = "ok"
+        except Exception:  # pylint: disable=broad-except
+            results[name] = traceback.format_exc()
+    print(json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""The benchmark runs end to end (its quick mode; no timing is asserted).
+
+What the Performance guide is regenerated from must be in one run's output:
+the machine and its load before and after, every section, a verdict per
+target, a cost for every feature the ablations take away, and every table
+again in Markdown.
+"""
+
+import io
+import sys
+
+import pytest
+
+from tests.support import paths
+
+sys.path.insert(0, str(paths.ROOT / "benchmarks"))
+
+import loss_scale_benchmark  # pylint: disable=g-import-not-at-top,wrong-import-position
+from lsbench import ablations  # pylint: disable=g-import-not-at-top,wrong-import-position
+from lsbench import gradient_sets  # pylint: disable=g-import-not-at-top,wrong-import-position
+from lsbench.sections import fit_step  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+pytestmark = pytest.mark.usefixtures("keras_isolation")
+
+
+def test_quick_benchmark_reports_every_section_and_a_verdict_per_target():
+    out = io.StringIO()
+    verdicts = loss_scale_benchmark.run(quick=True, out=out)
+    text = out.getvalue()
+    assert text.startswith("Machine: ")
+    assert "Load average (1, 5, 15 min) at the start" in text
+    assert "Load average (1, 5, 15 min) at the end" in text
+    for section in loss_scale_benchmark.SECTIONS:
+        assert f"\n{section.NAME}: {section.TITLE}" in text
+    # One target per gradient set in `check` and one more per large set,
+    # one per set in `apply`, two in `fit` (the wrapper's overhead and the
+    # monitor's), one in `xla`.
+    sets = gradient_sets.gradient_sets(quick=True)
+    large = sum(gradient_sets.is_large(s) for s in sets.values())
+    assert large >= 1
+    expected = len(sets) + large + len(sets) + 2 + 1
+    assert len(verdicts) == expected
+    for description, _ in verdicts:
+        assert f"target {description}:" in text
+    assert (f"Targets holding: {sum(h for _, h in verdicts)} of {expected}"
+            in text)
+    markdown = text[text.index("The tables in Markdown"):]
+    features = markdown[markdown.index(f"**{fit_step.FEATURES_TITLE}**"):]
+    for ablation in ablations.ABLATIONS:
+        assert f"\n| {ablation.feature}" in features, ablation.feature
+    for section in loss_scale_benchmark.SECTIONS:
+        assert f"**{section.TITLE}" in markdown, section.NAME
+
+
+def test_only_runs_the_sections_named_and_refuses_unknown_ones():
+    out = io.StringIO()
+    verdicts = loss_scale_benchmark.run(quick=True, only=["ops"], out=out)
+    assert verdicts == []
+    assert "\nops: " in out.getvalue()
+    assert "\napply: " not in out.getvalue()
+    with pytest.raises(ValueError, match="unknown sections.*'nope'"):
+        loss_scale_benchmark.run(quick=True, only=["nope"], out=io.StringIO())

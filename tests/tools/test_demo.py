@@ -1,0 +1,324 @@
+"""Tests of the demo, `python -m tf_lossscale.demo`, the README's first command.
+
+Three tests run the demo as a user does, in a subprocess (each costs a
+TensorFlow import); the rest call its functions in this process, where
+conftest.py has already split the CPU into logical devices.
+"""
+
+import importlib.resources
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.support import paths
+import tf_lossscale
+from tf_lossscale import demo
+from tf_lossscale import keras_compat
+
+pytestmark = pytest.mark.usefixtures("keras_isolation")
+
+_CONFIGS = paths.ROOT / "configs"
+_SUMMARY = re.compile(
+    r"^final loss scale: (?P<scale>\S+), skipped steps: (?P<skipped>\d+), "
+    r"weights finite: (?P<finite>True|False)$")
+_INITIAL_SCALE = demo.SCHEMA["loss_scale"].default["config"][
+    "initial_loss_scale"]
+# Generous: other test processes share the two cores.
+_SUBPROCESS_TIMEOUT_SECONDS = 600
+# Runs the demo as `python -m tf_lossscale.demo` does, but as if neither
+# optional extra were installed: the README's first command needs neither.
+_WITHOUT_EXTRAS = (
+    "import runpy, sys; sys.modules['matplotlib'] = None; "
+    "sys.modules['tensorboard'] = None; "
+    "runpy.run_module('tf_lossscale.demo', run_name='__main__')")
+
+
+def _run_demo(*flags):
+    """Runs the demo module with `flags`, importing this tf_lossscale."""
+    package_root = pathlib.Path(tf_lossscale.__file__).resolve().parent.parent
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(package_root), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-c", _WITHOUT_EXTRAS, *flags],
+        capture_output=True, text=True, env=env,
+        timeout=_SUBPROCESS_TIMEOUT_SECONDS, check=False)
+
+
+def _summary(stdout):
+    last_line = stdout.strip().splitlines()[-1]
+    match = _SUMMARY.match(last_line)
+    assert match, f"last line is not the summary: {last_line!r}"
+    return match
+
+
+def _is_calibration_then_more(skipped_at):
+    """Skips at 1, 2, ..., k (calibrating down), then at least one later."""
+    calibration = [step for index, step in enumerate(skipped_at, 1)
+                   if step == index]
+    return 0 < len(calibration) < len(skipped_at)
+
+
+def test_readme_command_overflows_organically_without_the_extras():
+    result = _run_demo("--num_devices=2", "--log_skips")
+
+    assert result.returncode == 0, result.stderr
+    summary = _summary(result.stdout)
+    skipped = int(summary["skipped"])
+    assert skipped > 0
+    assert summary["finite"] == "True"
+    assert float(summary["scale"]) < _INITIAL_SCALE
+    # No NaN was injected: every skip overflowed float16 on its own, and
+    # the progress bar's float32 loss stayed finite.
+    assert "injected non-finite steps: 0," in result.stdout
+    assert f"({skipped} not injected)" in result.stdout
+    assert "nan" not in result.stdout.lower()
+    skipped_at = json.loads(
+        re.search(r"skipped at steps: (\[[\d, ]*\])", result.stdout)[1])
+    assert len(skipped_at) == skipped
+    assert _is_calibration_then_more(skipped_at)
+    # The progress bar's last update, after all 200 steps. Before Keras 3.15
+    # the bar shows the epoch's average of every logged value, these too.
+    progress_bar = result.stdout[result.stdout.rindex("200/200"):
+                                 result.stdout.index("applied steps:")]
+    if keras_compat.KERAS_SERIES >= (3, 15):
+        assert f"skipped_steps: {skipped}.0000" in progress_bar
+        assert f"loss_scale: {float(summary['scale']):.4f}" in progress_bar
+    else:
+        assert "skipped_steps: " in progress_bar
+        assert "loss_scale: " in progress_bar
+    # --log_skips: the first skip names the variables that overflowed.
+    first_skip = re.search(r"LossScaleMonitor: skipped step 1; .*"
+                           r"non-finite gradients: (.*)", result.stdout)
+    assert first_skip and "kernel" in first_skip[1], result.stdout
+
+
+@pytest.mark.parametrize("flag, expected", [
+    ("--plot=scale.jpg", "--plot must be a path ending in .png"),
+    ("--steps=0", "--steps must be an int >= 1"),
+    ("--config={bad_config}", "unknown config key 'learning_rat'"),
+])
+def test_bad_flag_or_config_exits_nonzero_naming_it(tmp_path, flag, expected):
+    config = demo.load_config()
+    config["learning_rat"] = config.pop("learning_rate")
+    bad_config = tmp_path / "bad.json"
+    bad_config.write_text(json.dumps(config))
+
+    result = _run_demo(flag.format(bad_config=bad_config))
+
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        f"error: {expected}")
+    assert "final loss scale" not in result.stdout
+
+
+def test_default_run_calibrates_then_skips_only_at_overflows():
+    result = demo.run(demo.load_config(), steps=60, verbose=0)
+    scales = result.loss_scales
+
+    assert result.injected_at == ()
+    assert _is_calibration_then_more(result.skipped_at)
+    assert result.skipped_steps == len(result.skipped_at)
+    assert result.applied_steps == 60 - result.skipped_steps
+    assert result.weights_finite and np.isfinite(result.final_loss)
+    assert len(scales) == 61 and scales[0] == _INITIAL_SCALE
+    # A skip halves the scale; otherwise it stays or doubles (growth).
+    for step in range(1, 61):
+        if step in result.skipped_at:
+            assert scales[step] == scales[step - 1] / 2
+        else:
+            assert scales[step] in (scales[step - 1], scales[step - 1] * 2)
+    assert result.final_loss_scale == scales[-1]
+
+
+def test_injected_nans_are_skipped_on_two_replicas():
+    result = demo.run(demo.load_config(), steps=30, num_devices=2,
+                      inject_nonfinite_every=10, verbose=0)
+
+    assert result.injected_at == (10, 20, 30)
+    assert set(result.injected_at) <= set(result.skipped_at)
+    assert result.weights_finite
+
+
+def test_run_with_fixed_scale_applies_the_injected_nan():
+    config = demo.load_config(_CONFIGS / "demo_fixed.json")
+
+    result = demo.run(config, steps=2, inject_nonfinite_every=2, verbose=0)
+
+    assert result.skipped_steps == 0
+    assert result.applied_steps == 2
+    assert not result.weights_finite
+
+
+def test_injected_nan_reaches_only_the_last_replica():
+    config = demo.load_config()
+    features, labels = demo.synthetic_data(config)
+    dataset = demo.training_dataset(features, labels, batch_size=8, steps=4,
+                                    inject_nonfinite_every=2)
+    strategy = demo.make_strategy(2)
+
+    nan_per_replica = [
+        [bool(np.isnan(x.numpy()).any())
+         for x in strategy.experimental_local_results(batch_features)]
+        for batch_features, _ in strategy.experimental_distribute_dataset(
+            dataset)
+    ]
+
+    assert nan_per_replica == [[False, False], [False, True],
+                               [False, False], [False, True]]
+
+
+# --plot and --logdir.
+
+
+def test_plot_and_logdir_write_a_png_and_the_scalars(tmp_path):
+    plot = tmp_path / "plots" / "scale.png"
+
+    result = demo.run(demo.load_config(), steps=12, verbose=0,
+                      logdir=tmp_path / "tb", plot=plot)
+
+    image = plot.read_bytes()
+    assert image.startswith(b"\x89PNG\r\n\x1a\n")
+    width, height = int.from_bytes(image[16:20], "big"), int.from_bytes(
+        image[20:24], "big")
+    assert (width, height) == (800, 360)
+    scalars = {}
+    for path in tf.io.gfile.glob(str(tmp_path / "tb/train/events.out.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append(
+                    float(tf.make_ndarray(value.tensor)))
+    assert scalars["batch_loss_scale"] == list(result.loss_scales[1:])
+    assert scalars["batch_skipped_steps"] == [
+        sum(1 for s in result.skipped_at if s <= step)
+        for step in range(1, 13)]
+    assert len(scalars["batch_loss"]) == 12
+    assert np.isfinite(scalars["batch_loss"]).all()
+
+
+@pytest.mark.parametrize("option, package, extra", [
+    ("plot", "matplotlib", "plot"),
+    ("logdir", "tensorboard", "tensorboard"),
+])
+def test_missing_extra_fails_before_training_saying_what_to_install(
+        tmp_path, monkeypatch, capsys, option, package, extra):
+    monkeypatch.setitem(sys.modules, package, None)
+    path = tmp_path / ("out.png" if option == "plot" else "logs")
+
+    with pytest.raises(demo.MissingExtraError) as error:
+        demo.run(demo.load_config(), steps=1, **{option: path})
+
+    assert f"--{option} needs {package}" in str(error.value)
+    assert f'pip install "tf_lossscale[{extra}]"' in str(error.value)
+    assert f'pip install -e ".[{extra}]"' in str(error.value)
+    assert capsys.readouterr().out == ""  # No progress bar: no training.
+    assert not path.exists()
+
+
+# Configs and options.
+
+
+def test_shipped_demo_json_spells_out_the_defaults():
+    assert json.loads((_CONFIGS / "demo.json").read_text()) == (
+        demo.default_config())
+
+
+@pytest.mark.parametrize("path", sorted(_CONFIGS.glob("demo*.json")),
+                         ids=lambda p: p.name)
+def test_shipped_demo_config_validates(path):
+    config = demo.load_config(path)
+
+    assert demo.validate_config(config) == {**demo.default_config(), **config}
+
+
+def test_demo_configs_are_installed_package_data():
+    # The installed copy may come from another checkout than this one (an
+    # editable install elsewhere), so only the files' presence is compared.
+    installed = importlib.resources.files("tf_lossscale.configs")
+
+    assert (installed / "demo.json").is_file()
+    assert (installed / "demo_fixed.json").is_file()
+
+
+def test_missing_keys_take_their_defaults():
+    completed = demo.validate_config({"seed": 3})
+
+    assert completed == {**demo.default_config(), "seed": 3}
+
+
+@pytest.mark.parametrize("key, value", [
+    ("batch_size", "64"),
+    ("batch_size", 64.0),
+    ("seed", True),
+    ("steps", 0),
+    ("num_classes", 1),
+    ("learning_rate", 0),
+    ("learning_rate", True),
+    ("learning_rate", float("inf")),
+    ("loss_scale", "static"),
+    ("loss_scale", None),
+    ("loss_scale", {"class_name": "DynamicLossScale",
+                    "config": {"initial_loss_scale": -1.0}}),
+    ("optimizer", "no_such_optimizer"),
+    ("optimizer", 3),
+    ("optimizer", {"class_name": "SGD", "config": {"learning_rate": 0.1}}),
+])
+def test_invalid_config_value_is_rejected_naming_key_and_value(key, value):
+    config = demo.load_config()
+    config[key] = value
+
+    with pytest.raises(demo.ConfigError) as error:
+        demo.validate_config(config)
+
+    assert str(error.value).startswith(
+        f"config key {key!r} must be {demo.SCHEMA[key].kind}, got {value!r}")
+
+
+def test_unknown_config_key_is_rejected_naming_it():
+    with pytest.raises(demo.ConfigError, match="unknown config key 'sed'"):
+        demo.validate_config({"sed": 3})
+
+
+@pytest.mark.parametrize("option, value", [
+    ("steps", 0),
+    ("steps", 2.0),
+    ("num_devices", 0),
+    ("inject_nonfinite_every", -1),
+    ("plot", "scale.jpg"),
+    ("plot", 3),
+    ("logdir", ["runs"]),
+    ("log_skips", "yes"),
+])
+def test_invalid_option_is_rejected_before_training(option, value, capsys):
+    with pytest.raises(demo.ConfigError) as error:
+        demo.run(demo.load_config(), **{option: value})
+
+    kind = demo.OPTIONS[option].field.kind
+    assert str(error.value) == f"--{option} must be {kind}, got {value!r}"
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("identifier", ["dynamic", 128, 256.0])
+def test_other_loss_scale_identifiers_are_accepted(identifier):
+    config = demo.load_config()
+    config["loss_scale"] = identifier
+
+    assert demo.validate_config(config)["loss_scale"] == identifier
+
+
+def test_importing_the_demo_registers_no_command_line_flags():
+    # The flags belong to `python -m tf_lossscale.demo`: a program that
+    # imports the demo (or anything that imports it) keeps absl's global
+    # flags to itself.
+    from absl import flags  # pylint: disable=g-import-not-at-top
+    import tf_lossscale.demo.training  # pylint: disable=g-import-not-at-top,unused-import
+
+    assert not set(demo.OPTIONS) & set(flags.FLAGS)
+    assert "config" not in flags.FLAGS

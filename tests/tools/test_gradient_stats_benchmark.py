@@ -1,0 +1,52 @@
+"""The gradient statistics section of the benchmark runs end to end (quick
+mode; no timing is asserted: speed claims live in the benchmark's output)."""
+
+import io
+import sys
+
+import pytest
+
+from tests.support import paths
+
+sys.path.insert(0, str(paths.ROOT / "benchmarks"))
+
+from lsbench import context as context_module  # pylint: disable=g-import-not-at-top,wrong-import-position
+from lsbench import gradient_sets  # pylint: disable=g-import-not-at-top,wrong-import-position
+from lsbench import report as report_module  # pylint: disable=g-import-not-at-top,wrong-import-position
+from lsbench.sections import fit_step  # pylint: disable=g-import-not-at-top,wrong-import-position
+from lsbench.sections import gradient_stats  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+pytestmark = pytest.mark.usefixtures("keras_isolation")
+
+
+def test_quick_section_prints_both_parts_and_a_cost_row_per_compile_mode():
+    out = io.StringIO()
+    report = report_module.Report(out)
+    context = context_module.Context(report,
+                                     context_module.Settings(quick=True))
+
+    results = gradient_stats.run(context)
+
+    text = out.getvalue()
+    assert f"\n{gradient_stats.NAME}: {gradient_stats.TITLE}" in text
+    sets = gradient_sets.gradient_sets(quick=True)
+    assert sorted(results["statistics_vs_check"]) == sorted(sets)
+    for name in sets:
+        assert f"  {name}" in text
+    assert all(0 < ratio < float("inf")
+               for ratio in results["statistics_vs_check"].values())
+    assert "no XLA: CPU time x" in text
+    assert "XLA (jit_compile=True): CPU time x" in text
+    # The statistics' cost is a finite share of an unscaled step, per mode.
+    for key in ("fit", "fit_xla"):
+        assert -1.0 < results[key] < float("inf"), key
+    features = next(t for t in report.tables
+                    if t.title == fit_step.FEATURES_TITLE)
+    assert [row[1] for row in features.rows
+            if row[0] == gradient_stats.FEATURE] == ["no XLA", "XLA"]
+
+
+def test_the_runner_runs_it_by_name():
+    import loss_scale_benchmark  # pylint: disable=g-import-not-at-top
+    assert gradient_stats in loss_scale_benchmark.SECTIONS
+    assert gradient_stats.NAME == "stats"
