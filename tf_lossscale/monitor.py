@@ -211,7 +211,7 @@ class LossScaleMonitor(_Monitor, keras.callbacks.Callback):
     def for_tf_keras(verbose=False, gradient_stats=False):
         """The monitor as a `tf_keras.callbacks.Callback`, for tf-keras'
         `fit`."""
-        return xla_checks_callback.tf_keras_class(_Monitor, "TfKerasLossScaleMonitor",
-                               LossScaleMonitor.__doc__)(verbose,
-                                                         gradient_stats)
+        cls = xla_checks_callback.tf_keras_class(
+            _Monitor, "TfKerasLossScaleMonitor", LossScaleMonitor.__doc__)
+        return cls(verbose, gradient_stats)
 

@@ -162,7 +162,7 @@ class XlaChecks(_XlaChecks, keras.callbacks.Callback):
         """The callback as a `tf_keras.callbacks.Callback`, for tf-keras'
         `fit`."""
         return tf_keras_class(_XlaChecks, "TfKerasXlaChecks",
-                               XlaChecks.__doc__)()
+                              XlaChecks.__doc__)()
 
 
 @functools.lru_cache(maxsize=None)
