@@ -54,22 +54,6 @@ _PACKAGE_DIR = os.path.dirname(tf_lossscale.__file__)
 _TIMEOUT_SECONDS = 600
 
 
-def _attempt(make):
-    """Runs `make()`; returns (the exception raised or None, the names of
-    the variables created meanwhile)."""
-    created = []
-
-    def creator(next_creator, **kwargs):
-        created.append(kwargs.get("name"))
-        return next_creator(**kwargs)
-
-    with tf.variable_creator_scope(creator):
-        try:
-            make()
-        except Exception as error:  # pylint: disable=broad-except
-            return error, created
-    return None, created
-
 
 def _assert_refused(error, expected, names, message=None):
     """`error` is an `expected`, its message names each of `names` and is
@@ -97,7 +81,7 @@ def _ids(cases):
 def test_fixed_loss_scale_refuses(case):
     value = case.make(keras)
     kwargs = {"loss_scale_value": 2.0, case.argument: value}
-    error, created = _attempt(lambda: tf_lossscale.FixedLossScale(**kwargs))
+    error, created = hostile_values.attempt(lambda: tf_lossscale.FixedLossScale(**kwargs))
     _assert_refused(error, case.error, [case.argument])
     assert not created
 
@@ -106,7 +90,7 @@ def test_fixed_loss_scale_refuses(case):
                          ids=_ids(hostile_values.DYNAMIC_LOSS_SCALE))
 def test_dynamic_loss_scale_refuses(case):
     value = case.make(keras)
-    error, created = _attempt(
+    error, created = hostile_values.attempt(
         lambda: tf_lossscale.DynamicLossScale(**{case.argument: value}))
     _assert_refused(error, case.error, [case.argument])
     assert not created
@@ -118,10 +102,10 @@ def test_keras_optimizer_refuses(case):
     inner = keras.optimizers.SGD(0.1)
     value = case.make(keras)
     if case.argument == "inner_optimizer":
-        error, created = _attempt(
+        error, created = hostile_values.attempt(
             lambda: tf_lossscale.LossScaleOptimizer(value))
     else:
-        error, created = _attempt(lambda: tf_lossscale.LossScaleOptimizer(
+        error, created = hostile_values.attempt(lambda: tf_lossscale.LossScaleOptimizer(
             inner, **{case.argument: value}))
     _assert_refused(error, case.error, [case.argument])
     assert not created
@@ -133,7 +117,7 @@ def test_keras_optimizer_refuses(case):
                          ids=_ids(hostile_values.MONITOR))
 def test_monitor_refuses(case):
     value = case.make(keras)
-    error, _ = _attempt(
+    error, _ = hostile_values.attempt(
         lambda: tf_lossscale.LossScaleMonitor(**{case.argument: value}))
     _assert_refused(error, case.error, [case.argument])
 
@@ -154,7 +138,7 @@ def test_tf1_optimizer_refuses(case):
     value = case.make(keras)
     inner = tf.compat.v1.train.GradientDescentOptimizer(0.1)
     arguments = {"opt": inner, "loss_scale": "dynamic", case.argument: value}
-    error, created = _attempt(
+    error, created = hostile_values.attempt(
         lambda: MixedPrecisionLossScaleOptimizer(**arguments))
     _assert_refused(error, case.error, [case.argument])
     assert not created
@@ -248,7 +232,7 @@ def test_malformed_loss_scale_config_is_refused_naming_the_part(entry, label):
             wrapper_config)
     else:
         make = lambda: getattr(tf_lossscale, entry)(config)
-    error, created = _attempt(make)
+    error, created = hostile_values.attempt(make)
     _assert_refused(error, expected, names)
     # from_config builds the inner optimizer (its own variables) before the
     # wrapper's arguments are checked; no loss-scale variable is made.
@@ -261,10 +245,10 @@ def test_malformed_loss_scale_config_is_refused_naming_the_part(entry, label):
         "list", "str", "tuple", "int", "million_element_list"])
 def test_custom_objects_that_is_not_a_dict_is_refused(custom_objects):
     config = tf_lossscale.serialize(tf_lossscale.FixedLossScale(2))
-    error, _ = _attempt(lambda: tf_lossscale.deserialize(
+    error, _ = hostile_values.attempt(lambda: tf_lossscale.deserialize(
         config, custom_objects=custom_objects))
     _assert_refused(error, TypeError, ["custom_objects"])
-    error, _ = _attempt(lambda: tf_lossscale.LossScaleOptimizer.from_config(
+    error, _ = hostile_values.attempt(lambda: tf_lossscale.LossScaleOptimizer.from_config(
         {"inner_optimizer": _serialized_sgd()},
         custom_objects=custom_objects))
     _assert_refused(error, TypeError, ["custom_objects"])
@@ -298,7 +282,7 @@ def test_inner_optimizer_that_is_no_serialized_optimizer_is_refused(
     config = {key: _INNER_OPTIMIZER_CONFIGS[label],
               "loss_scale": {"class_name": "FixedLossScale",
                              "config": {"loss_scale_value": 2.0}}}
-    error, created = _attempt(lambda: _FROM_CONFIG[wrapper](config))
+    error, created = hostile_values.attempt(lambda: _FROM_CONFIG[wrapper](config))
     _assert_refused(error, TypeError, [key])
     assert not created
 
@@ -312,13 +296,13 @@ def test_inner_optimizer_that_is_no_serialized_optimizer_is_refused(
 ], ids=["none", "million_element_list", "int_key", "million_char_key"])
 def test_optimizer_config_of_the_wrong_shape_is_refused(wrapper, config,
                                                         names):
-    error, _ = _attempt(lambda: _FROM_CONFIG[wrapper](config))
+    error, _ = hostile_values.attempt(lambda: _FROM_CONFIG[wrapper](config))
     _assert_refused(error, TypeError, names)
 
 
 def test_unknown_config_key_is_refused_briefly_by_the_constructor():
     config = {"inner_optimizer": _serialized_sgd(), "x" * 10**6: 1}
-    error, _ = _attempt(
+    error, _ = hostile_values.attempt(
         lambda: tf_lossscale.LossScaleOptimizer.from_config(config))
     _assert_refused(error, TypeError, ["unexpected argument"])
 
@@ -569,7 +553,7 @@ def test_apply_gradients_refuses_before_anything_changes(wrapper, mode,
     make_pairs, expected, names = _CALL_CASES[label]
     grads_and_vars = make_pairs(wrapper)
     before = wrapper.state()
-    error, created = _attempt(lambda: _run(
+    error, created = hostile_values.attempt(lambda: _run(
         mode, lambda: wrapper.optimizer.apply_gradients(grads_and_vars)))
     _assert_refused(error, expected, _expected_names(wrapper, names))
     assert not created
@@ -585,7 +569,7 @@ def test_every_wrapper_raises_the_same_message(kind):
     wrapper = _Wrapper(kind)
     messages = {}
     for label, (make_pairs, _, _) in _CALL_CASES.items():
-        error, _ = _attempt(
+        error, _ = hostile_values.attempt(
             lambda: wrapper.optimizer.apply_gradients(make_pairs(wrapper)))  # pylint: disable=cell-var-from-loop
         messages[label] = (type(error).__name__, str(error).replace(
             repr(wrapper.name(wrapper.kernel)), "KERNEL").replace(
@@ -594,7 +578,7 @@ def test_every_wrapper_raises_the_same_message(kind):
     for label, (make_pairs, _, _) in _CALL_CASES.items():
         if label == "triples":
             continue  # The message shows the triple: each its variable.
-        error, _ = _attempt(
+        error, _ = hostile_values.attempt(
             lambda: reference.optimizer.apply_gradients(make_pairs(reference)))  # pylint: disable=cell-var-from-loop
         assert messages[label] == (type(error).__name__, str(error).replace(
             repr(reference.name(reference.kernel)), "KERNEL").replace(
@@ -616,7 +600,7 @@ def test_keras_apply_names_the_counts_not_an_internal_argument(
     if variables == "both":
         variables = [wrapper.kernel, wrapper.bias]
     before = wrapper.state()
-    error, _ = _attempt(lambda: wrapper.optimizer.apply(grads, variables))
+    error, _ = hostile_values.attempt(lambda: wrapper.optimizer.apply(grads, variables))
     _assert_refused(error, expected, names)
     assert "keep" not in str(error)
     assert all(old.tobytes() == new.tobytes()
@@ -626,7 +610,7 @@ def test_keras_apply_names_the_counts_not_an_internal_argument(
 def test_refused_first_step_leaves_keras_optimizer_unbuilt():
     kernel = keras.Variable(np.ones(3, np.float32))
     optimizer = tf_lossscale.LossScaleOptimizer(keras.optimizers.Adam())
-    error, created = _attempt(lambda: optimizer.apply_gradients(
+    error, created = hostile_values.attempt(lambda: optimizer.apply_gradients(
         [(tf.constant(["a", "b", "c"]), kernel)]))
     _assert_refused(error, TypeError, ["gradient 0", "string"])
     assert not created
@@ -649,17 +633,17 @@ def test_loss_that_is_not_floating_point_is_refused(kind, loss, dtype):
     else:
         def scale():
             return wrapper.optimizer.get_scaled_loss(loss)
-    error, _ = _attempt(scale)
+    error, _ = hostile_values.attempt(scale)
     _assert_refused(error, TypeError, ["loss", dtype])
     if kind == "keras3":
-        error, _ = _attempt(lambda: wrapper.optimizer.scale_loss(loss))
+        error, _ = hostile_values.attempt(lambda: wrapper.optimizer.scale_loss(loss))
         _assert_refused(error, TypeError, ["loss", dtype])
 
 
 @pytest.mark.parametrize("kind", ["keras3", "tf_keras", "tf_keras_legacy"])
 def test_get_unscaled_gradients_refuses_non_floating_gradients(kind):
     wrapper = _Wrapper(kind)
-    error, _ = _attempt(lambda: wrapper.optimizer.get_unscaled_gradients(
+    error, _ = hostile_values.attempt(lambda: wrapper.optimizer.get_unscaled_gradients(
         [_ONES_KERNEL, None, tf.constant(["a", "b"])]))
     _assert_refused(error, TypeError, ["gradient 2", "string"])
 

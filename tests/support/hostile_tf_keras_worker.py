@@ -34,21 +34,6 @@ KINDS = {
 }
 
 
-def _attempt(make):
-    """Runs `make()`; returns (exception or None, created variable names)."""
-    created = []
-
-    def creator(next_creator, **kwargs):
-        created.append(kwargs.get("name"))
-        return next_creator(**kwargs)
-
-    with tf.variable_creator_scope(creator):
-        try:
-            make()
-        except Exception as error:  # pylint: disable=broad-except
-            return error, created
-    return None, created
-
 
 def _result(error, created, inner_reusable):
     message = "" if error is None else str(error)
@@ -65,19 +50,19 @@ def optimizer_case(kind, case):
     inner = KINDS[kind]()
     value = case.make(keras)
     if case.argument == "inner_optimizer":
-        error, created = _attempt(
+        error, created = hostile_values.attempt(
             lambda: tf_lossscale.LossScaleOptimizer(value))
     else:
-        error, created = _attempt(lambda: tf_lossscale.LossScaleOptimizer(
+        error, created = hostile_values.attempt(lambda: tf_lossscale.LossScaleOptimizer(
             inner, **{case.argument: value}))
     # A refused wrapper must not keep the inner optimizer.
-    reusable, _ = _attempt(lambda: tf_lossscale.LossScaleOptimizer(inner))
+    reusable, _ = hostile_values.attempt(lambda: tf_lossscale.LossScaleOptimizer(inner))
     return _result(error, created, reusable is None)
 
 
 def monitor_case(case):
     value = case.make(keras)
-    error, created = _attempt(
+    error, created = hostile_values.attempt(
         lambda: tf_lossscale.LossScaleMonitor(**{case.argument: value}))
     return _result(error, created, True)
 

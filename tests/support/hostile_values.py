@@ -12,6 +12,7 @@ hostile inputs turn up.
 import collections
 
 import numpy as np
+import tensorflow as tf
 
 # No message may be longer, whatever the input (a million-element list gave
 # 7.9 MB before values were summarised).
@@ -198,3 +199,20 @@ OPTIMIZER = (
 
 def case_id(case):
     return f"{case.argument}-{case.label}"
+
+
+def attempt(make):
+    """Runs `make()`; returns (the exception raised or None, the names of
+    the variables created meanwhile)."""
+    created = []
+
+    def creator(next_creator, **kwargs):
+        created.append(kwargs.get("name"))
+        return next_creator(**kwargs)
+
+    with tf.variable_creator_scope(creator):
+        try:
+            make()
+        except Exception as error:  # pylint: disable=broad-except
+            return error, created
+    return None, created
