@@ -6,8 +6,11 @@ values (the cost per tensor), and 4 tensors of 8M values (the cost per
 byte). Quick runs use small stand-ins that take the same code paths.
 """
 
+import keras
 import numpy as np
 import tensorflow as tf
+
+import tf_lossscale
 
 SEED = 0
 SCALE = 2.0 ** 15
@@ -61,3 +64,16 @@ def scaled_gradients(shapes):
 
 def variables(shapes):
     return [tf.Variable(tf.zeros(shape)) for shape in shapes]
+
+
+def sgd_wrappers():
+    """tf_lossscale's wrapper and Keras 3's around SGD(1e-9), both at
+    `SCALE` and never growing it: the pair the step-level sections compare
+    on these sets."""
+    ours = tf_lossscale.LossScaleOptimizer(
+        keras.optimizers.SGD(1e-9), loss_scale=tf_lossscale.DynamicLossScale(
+            SCALE, increment_period=10 ** 9))
+    keras_wrapper = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(1e-9), initial_scale=SCALE,
+        dynamic_growth_steps=10 ** 9)
+    return ours, keras_wrapper

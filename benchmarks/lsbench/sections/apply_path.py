@@ -9,7 +9,6 @@ time (wall time beside it); target: tf_lossscale at most 0.9x on every set.
 import keras
 import tensorflow as tf
 
-import tf_lossscale
 from lsbench import gradient_sets
 from lsbench import report as report_module
 from lsbench import timing
@@ -28,12 +27,7 @@ def _candidates(shapes):
     ours_vars = gradient_sets.variables(shapes)
     keras_vars = gradient_sets.variables(shapes)
     bare_vars = gradient_sets.variables(shapes)
-    ours = tf_lossscale.LossScaleOptimizer(
-        keras.optimizers.SGD(1e-9), loss_scale=tf_lossscale.DynamicLossScale(
-            gradient_sets.SCALE, increment_period=10 ** 9))
-    keras_wrapper = keras.optimizers.LossScaleOptimizer(
-        keras.optimizers.SGD(1e-9), initial_scale=gradient_sets.SCALE,
-        dynamic_growth_steps=10 ** 9)
+    ours, keras_wrapper = gradient_sets.sgd_wrappers()
     bare_sgd = keras.optimizers.SGD(1e-9)
     scale = tf.Variable(gradient_sets.SCALE)
     ours.scale_loss(tf.constant(1.0))  # The Keras 3 protocol.

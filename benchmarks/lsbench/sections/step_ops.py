@@ -11,9 +11,6 @@ nothing, so its figures are exact and the same on every machine.
 
 import collections
 
-import keras
-
-import tf_lossscale
 from lsbench import fit_runs
 from lsbench import gradient_sets
 from lsbench import op_counts
@@ -29,12 +26,7 @@ def _mlp_shapes(settings):
 
 def _counts(shapes):
     grads = gradient_sets.scaled_gradients(shapes)
-    ours = tf_lossscale.LossScaleOptimizer(
-        keras.optimizers.SGD(1e-9), loss_scale=tf_lossscale.DynamicLossScale(
-            gradient_sets.SCALE, increment_period=10 ** 9))
-    theirs = keras.optimizers.LossScaleOptimizer(
-        keras.optimizers.SGD(1e-9), initial_scale=gradient_sets.SCALE,
-        dynamic_growth_steps=10 ** 9)
+    ours, theirs = gradient_sets.sgd_wrappers()
     return (op_counts.traced_apply(ours, grads,
                                    gradient_sets.variables(shapes)),
             op_counts.traced_apply(theirs, grads,
