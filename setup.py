@@ -13,7 +13,7 @@ and `import tf_lossscale` checks that a TensorFlow in the supported range is
 installed. Keras is in `install_requires`, from the oldest supported release
 on: it is one pure-Python distribution that brings no TensorFlow, and
 TensorFlow itself accepts Keras releases this package does not support. The
-ranges live in tf_lossscale/requirements.py, which also checks them at import
+ranges live in tf_lossscale/_internal/versions.py, which also checks them at import
 time. `.[test]` adds the test tools (and `tensorflow`), `.[plot]` and
 `.[tensorboard]` what the demo's --plot and --logdir need.
 """
@@ -32,7 +32,7 @@ _VERSION = re.search(r'^__version__ = "([^"]+)"',
 # bring one, and the Keras and tf-keras ranges, from the module that checks
 # them at import time.
 _REQUIREMENTS = runpy.run_path(
-    str(_ROOT / "tf_lossscale" / "requirements.py"))
+    str(_ROOT / "tf_lossscale" / "_internal" / "versions.py"))
 _TF = _REQUIREMENTS["TENSORFLOW"].specifier
 _TENSORFLOW_EXTRAS = {
     extra: [distribution + _TF]
@@ -52,8 +52,8 @@ setuptools.setup(
     python_requires=">=3.9",
     # The top-level configs/ folder ships inside the package as
     # tf_lossscale.configs, so the demo finds its defaults after any install.
-    packages=["tf_lossscale", "tf_lossscale.compat", "tf_lossscale.configs",
-              "tf_lossscale.demo"],
+    packages=setuptools.find_packages(include=["tf_lossscale", "tf_lossscale.*"])
+    + ["tf_lossscale.configs"],
     package_dir={"tf_lossscale.configs": "configs"},
     package_data={"tf_lossscale.configs": ["*.json"]},
     # No TensorFlow here, and no upper bound on Keras: see the docstring

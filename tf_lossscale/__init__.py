@@ -6,7 +6,7 @@ Public API:
   contract of TensorFlow's `tf.compat.v1.mixed_precision.LossScale`;
 * `get`, `serialize`, `deserialize`: identifiers and configs to loss scales;
 * `LossScaleOptimizer`: the Keras optimizer wrapper that uses them (for
-  tf-keras optimizers, a tf-keras wrapper: `tf_lossscale.tf_keras_optimizer`);
+  tf-keras optimizers, a tf-keras wrapper: `tf_lossscale.tf_keras.loss_scale_optimizer`);
 * `compat.v1.MixedPrecisionLossScaleOptimizer`: the wrapper for
   `tf.compat.v1.train` optimizers (TF1 graphs and Sessions);
 * `LossScaleMonitor`: a Keras callback that puts the current loss scale and
@@ -22,16 +22,15 @@ Public API:
 # TensorFlow is not a pip requirement of this package (setup.py says why):
 # check here, before any module imports it, that one is installed and not
 # older than supported, and Keras too, with an ImportError that says how to
-# fix it. Newer than tested releases get one warning (requirements.py).
-from tf_lossscale import requirements as _requirements
+# fix it. Newer than tested releases get one warning (versions.py).
+from tf_lossscale._internal import versions as _versions
 
-_newer_than_tested = [_requirements.check_tensorflow(),
-                      _requirements.check_keras()]
+_newer_than_tested = [_versions.check_tensorflow(), _versions.check_keras()]
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from importlib import util as _importlib_util
 
-from tf_lossscale import optimizer_protocol as _optimizer_protocol
+from tf_lossscale.step import optimizer_protocol as _optimizer_protocol
 
 # With `tf.keras` being tf-keras, its users load saved models in processes
 # that have wrapped no optimizer yet: the tf-keras wrappers are registered
@@ -40,36 +39,42 @@ from tf_lossscale import optimizer_protocol as _optimizer_protocol
 _tf_keras_now = _optimizer_protocol.tf_keras_is_tf_keras() and (
     _importlib_util.find_spec("tf_keras") is not None)
 if _tf_keras_now:
-    _newer_than_tested.append(_requirements.check_tf_keras())
-_requirements.warn_untested(_newer_than_tested)
+    _newer_than_tested.append(_versions.check_tf_keras())
+_versions.warn_untested(_newer_than_tested)
 
 from tf_lossscale import compat
+from tf_lossscale._internal.checks import DoubleScalingError
+from tf_lossscale._internal.checks import ReplicaContextError
+from tf_lossscale._internal.versions import UntestedReleaseWarning
+from tf_lossscale.diagnosis import Float16Diagnosis
 from tf_lossscale.diagnosis import diagnose
-from tf_lossscale.diagnosis_report import Float16Diagnosis
-from tf_lossscale.keras_optimizer import LossScaleOptimizer
-from tf_lossscale.dynamic_loss_scale import DynamicLossScale
-from tf_lossscale.loss_scale import FixedLossScale
-from tf_lossscale.loss_scale import LossScale
+from tf_lossscale.keras3.loss_scale_optimizer import LossScaleOptimizer
+from tf_lossscale.loss_scales import DynamicLossScale
+from tf_lossscale.loss_scales import FixedLossScale
+from tf_lossscale.loss_scales import LossScale
+from tf_lossscale.loss_scales import deserialize
+from tf_lossscale.loss_scales import get
+from tf_lossscale.loss_scales import serialize
+from tf_lossscale.loss_scales import with_xla_checks
 from tf_lossscale.monitor import LossScaleMonitor
-from tf_lossscale.xla_checks_callback import XlaChecks
-from tf_lossscale.serialization import deserialize
-from tf_lossscale.serialization import get
-from tf_lossscale.serialization import serialize
-from tf_lossscale.xla_checks import with_xla_checks
+from tf_lossscale.monitor import XlaChecks
 
 if _tf_keras_now:
-    from tf_lossscale import tf_keras_optimizer  # pylint: disable=unused-import
+    from tf_lossscale.tf_keras import loss_scale_optimizer as _tf_keras_wrappers  # pylint: disable=unused-import
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 __version__ = "0.4.0"
 
 __all__ = [
+    "DoubleScalingError",
     "DynamicLossScale",
     "FixedLossScale",
     "Float16Diagnosis",
     "LossScale",
     "LossScaleMonitor",
     "LossScaleOptimizer",
+    "ReplicaContextError",
+    "UntestedReleaseWarning",
     "XlaChecks",
     "compat",
     "deserialize",

@@ -29,10 +29,10 @@ import tensorflow as tf
 import tf_lossscale
 from lsbench import gradient_sets
 from lsbench import op_counts
-from tf_lossscale import distribution
-from tf_lossscale import loss_scale as loss_scale_module
-from tf_lossscale import loss_scaled_step
-from tf_lossscale import xla_record
+from tf_lossscale.ops import replicas
+from tf_lossscale.loss_scales import loss_scale as loss_scale_module
+from tf_lossscale.step import loss_scaled_step
+from tf_lossscale.loss_scales import xla_record
 
 
 def _no_unscale(grads, variables, scale):
@@ -42,7 +42,7 @@ def _no_unscale(grads, variables, scale):
 
 def _first_replica_decides(check, grads):
     """Replica 0's flag, as Keras 3's own wrapper takes it: no all-reduce."""
-    strategy = distribution.strategy_in_use()
+    strategy = replicas.strategy_in_use()
     if strategy is None:
         return check(grads)
     flags = strategy.extended.call_for_each_replica(check, args=(grads,))

@@ -54,7 +54,7 @@ def traced_apply(optimizer, grads, variables, jit_compile=False,
             strategy.run(apply)
 
     # Under XLA a loss scale whose policy asks for failures or warnings may
-    # only be traced while a watch of it is live (tf_lossscale.xla_checks);
+    # only be traced while a watch of it is live (tf_lossscale.loss_scales.xla_checks);
     # the default one, traced here, needs none.
     return op_types(step)
 

@@ -22,7 +22,7 @@ import tensorflow as tf
 
 import tf_lossscale
 from tf_lossscale import demo
-from tf_lossscale import diagnosis
+from tf_lossscale.diagnosis import run as diagnosis
 
 from tests.support import float16_models  # pylint: disable=g-bad-import-order
 from tests.support import strategies  # pylint: disable=g-bad-import-order

@@ -376,7 +376,7 @@ def test_wrapped_checkpoint_round_trips_loss_scale_and_inner_state(tmp_path):
 
     def saved_state(optimizer):
         # All but which variables overflowed last: a diagnostic that
-        # checkpoints leave out (see tf_lossscale.optimizer_saving).
+        # checkpoints leave out (see tf_lossscale.keras3.saving).
         return values_of(optimizer.inner_optimizer.variables
                        + list(optimizer.loss_scale.variables)
                        + [optimizer.skipped_steps])

@@ -1,4 +1,4 @@
-"""What both Keras wrappers share (`tf_lossscale.optimizer_protocol`).
+"""What both Keras wrappers share (`tf_lossscale.step.optimizer_protocol`).
 
 The two protocols of a training step, as the Keras 3 wrapper runs them:
 Keras 3's `scale_loss(loss)` (then `apply_gradients` with scaled gradients),

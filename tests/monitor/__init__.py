@@ -1,2 +1,2 @@
 """Tests of the Keras callbacks `LossScaleMonitor` and its gradient
-statistics, and of `tf_lossscale.gradient_stats`."""
+statistics, and of `tf_lossscale.ops.float16`."""

@@ -1,4 +1,4 @@
-"""`tf_lossscale.gradient_stats`: statistics against float16's range.
+"""`tf_lossscale.ops.float16`: statistics against float16's range.
 
 Each figure is compared with numpy's count on the same values cast to
 float16, in eager mode, in a `tf.function` and under XLA (where a maximum
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_lossscale import gradient_stats
+from tf_lossscale.ops import float16 as gradient_stats
 
 _MODES = {
     "eager": lambda fn: fn,

@@ -16,8 +16,8 @@ import pytest
 import tensorflow as tf
 
 import tf_lossscale
-from tf_lossscale import keras_compat
-from tf_lossscale import monitor
+from tf_lossscale.monitor import keras_compat
+from tf_lossscale.monitor import callback as monitor
 
 from tests.support import data  # pylint: disable=g-bad-import-order
 from tests.support import monitor_models  # pylint: disable=g-bad-import-order

@@ -24,7 +24,7 @@ import pytest
 import tensorflow as tf
 
 import tf_lossscale
-from tf_lossscale import step_gradient_stats
+from tf_lossscale.monitor import gradient_stats as step_gradient_stats
 
 from tests.support import data  # pylint: disable=g-bad-import-order
 from tests.support import monitor_models  # pylint: disable=g-bad-import-order

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_lossscale import gradient_checks
+from tf_lossscale.ops import finiteness as gradient_checks
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
 

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import tf_lossscale
-from tf_lossscale import gradient_checks
+from tf_lossscale.ops import finiteness as gradient_checks
 
 _NAN = float("nan")
 _INF = float("inf")

@@ -42,8 +42,8 @@ from tests.support import hostile_values
 import tf_lossscale
 from tests.support import subprocesses
 from tests.support.hostile_values import MESSAGE_BOUND
-from tf_lossscale import step_arguments
-from tf_lossscale import tf_keras_optimizer
+from tf_lossscale._internal import step_arguments
+from tf_lossscale.tf_keras import loss_scale_optimizer as tf_keras_optimizer
 from tf_lossscale.compat.v1 import MixedPrecisionLossScaleOptimizer
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")

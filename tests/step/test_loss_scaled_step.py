@@ -1,4 +1,4 @@
-"""The step every wrapper runs (`tf_lossscale.loss_scaled_step`).
+"""The step every wrapper runs (`tf_lossscale.step.loss_scaled_step`).
 
 Each wrapper hands one step's gradients to the shared step, which agrees on
 one finiteness flag across replicas, updates the loss scale from it and

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_lossscale import gradient_checks
-from tf_lossscale import unscaling
+from tf_lossscale.ops import finiteness as gradient_checks
+from tf_lossscale.ops import unscaling
 
 _NAN = float("nan")
 _INF = float("inf")

@@ -1,6 +1,6 @@
 """Unscaling is one correctly rounded division per value, however it is packed.
 
-`tf_lossscale.unscaling` packs tiny gradients into one tensor, divides once
+`tf_lossscale.ops.unscaling` packs tiny gradients into one tensor, divides once
 and splits them back; in graphs, `gradient_checks.all_finite` then checks the
 pack instead of the pieces. These tests pin that this changes nothing a user
 can see: every value equals the per-gradient divide bit for bit (every float
@@ -17,8 +17,8 @@ import tensorflow as tf
 
 from tests.support import reference_oracle as oracle
 import tf_lossscale
-from tf_lossscale import gradient_checks
-from tf_lossscale import unscaling
+from tf_lossscale.ops import finiteness as gradient_checks
+from tf_lossscale.ops import unscaling
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
 

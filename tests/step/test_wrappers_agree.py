@@ -1,7 +1,7 @@
 """Every LossScaleOptimizer wrapper (Keras 3, tf-keras, TF1) raises the same
 exception for a step called in cross-replica context, and the Keras 3 and
 tf-keras wrappers report the same `last_nonfinite_variables()` for the same
-model (`tf_lossscale.wrapper_core`)."""
+model (`tf_lossscale.step.wrapper_core`)."""
 
 import json
 import os
@@ -18,7 +18,7 @@ import tf_keras
 from tests.support import paths
 from tests.support import strategies
 import tf_lossscale
-from tf_lossscale import validation
+from tf_lossscale._internal import checks as validation
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
 

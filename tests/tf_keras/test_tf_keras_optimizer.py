@@ -20,7 +20,7 @@ from tests.support import reference_oracle as oracle
 from tests.support import strategies
 from tests.support.variables import values_of
 import tf_lossscale
-from tf_lossscale import tf_keras_optimizer
+from tf_lossscale.tf_keras import loss_scale_optimizer as tf_keras_optimizer
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
 

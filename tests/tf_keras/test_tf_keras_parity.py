@@ -20,7 +20,7 @@ import tf_keras
 
 from tests.support import paths
 import tf_lossscale
-from tf_lossscale import tf_keras_optimizer
+from tf_lossscale.tf_keras import loss_scale_optimizer as tf_keras_optimizer
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
 

@@ -20,7 +20,7 @@ import tensorflow as tf
 from tests.support import paths
 import tf_lossscale
 from tf_lossscale import demo
-from tf_lossscale import keras_compat
+from tf_lossscale.monitor import keras_compat
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
 

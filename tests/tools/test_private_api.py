@@ -1,5 +1,5 @@
 """Every private TensorFlow, Keras and tf-keras API tf_lossscale relies on,
-probed through its entry in `tf_lossscale.private_api`: one test each,
+probed through its entry in `tf_lossscale._internal.private_api`: one test each,
 failing with a message that names the API, the entry and the releases
 installed.
 
@@ -29,7 +29,7 @@ import tf_keras
 
 from tests.support import strategies
 import tf_lossscale
-from tf_lossscale import private_api
+from tf_lossscale._internal import private_api
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
 
@@ -44,7 +44,7 @@ def _releases():
 def _relied_on(api, entry, detail):
     """Fails naming the API, its private_api entry, the installed releases
     and what changed."""
-    pytest.fail(f"private API {api} (tf_lossscale.private_api.{entry}) "
+    pytest.fail(f"private API {api} (tf_lossscale._internal.private_api.{entry}) "
                 f"changed on {_releases()}: {detail}", pytrace=False)
 
 
@@ -142,7 +142,7 @@ def test_no_other_module_reaches_into_other_libraries():
                 reaches.append(f"{path.name}:{number}: {line.strip()}")
     assert not reaches, (
         "private APIs of other libraries used outside "
-        "tf_lossscale.private_api:\n" + "\n".join(reaches))
+        "tf_lossscale._internal.private_api:\n" + "\n".join(reaches))
 
 
 # --- TensorFlow --------------------------------------------------------------

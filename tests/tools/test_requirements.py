@@ -33,7 +33,7 @@ import tf_keras
 
 from tests.support import paths
 import tf_lossscale
-from tf_lossscale import requirements
+from tf_lossscale._internal import versions as requirements
 
 _ROOT = paths.ROOT
 _README = (_ROOT / "README.md").read_text()
@@ -327,9 +327,9 @@ def test_everything_newer_gives_exactly_one_warning_per_process():
     report = _patched_run(
         {"tensorflow": "2.23.0.dev20261026", "keras": "3.17.0",
          "tf_keras": "2.23.0.dev2026102618"},
-        _WRAP_TF_KERAS, "import tf_lossscale.tf_keras_optimizer",
-        "tf_lossscale.requirements.warn_untested(["
-        "tf_lossscale.requirements.check_keras()])",
+        _WRAP_TF_KERAS, "import tf_lossscale.tf_keras.loss_scale_optimizer",
+        "tf_lossscale._internal.versions.warn_untested(["
+        "tf_lossscale._internal.versions.check_keras()])",
         TF_USE_LEGACY_KERAS="1")
     assert report["error"] is None
     assert [len(seen) for seen in report["after"]] == [1, 1, 1, 1]
@@ -363,7 +363,7 @@ def test_the_warning_is_filtered_by_its_category_after_the_import():
     report = _patched_run(
         {"tf_keras": "2.22.0"},
         "warnings.simplefilter('error', "
-        "tf_lossscale.requirements.UntestedReleaseWarning)", _WRAP_TF_KERAS)
+        "tf_lossscale._internal.versions.UntestedReleaseWarning)", _WRAP_TF_KERAS)
     assert report["error"][0] == "UntestedReleaseWarning"
 
 

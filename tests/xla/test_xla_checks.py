@@ -1,4 +1,4 @@
-"""The host side of the XLA checks (`tf_lossscale.xla_checks`).
+"""The host side of the XLA checks (`tf_lossscale.loss_scales.xla_checks`).
 
 Under XLA (`jit_compile=True`) a compiled step cannot raise or print: it
 records what the failure policy asks for, and the host acts on the record

@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from tests.support import keras_models
 import tf_lossscale
-from tf_lossscale import xla_record
+from tf_lossscale.loss_scales import xla_record
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
 

@@ -1,12 +1,12 @@
 """What refusing hostile inputs costs a step (eager work, no graph op).
 
-1. The eager lock (`tf_lossscale.eager_lock`): an eager
+1. The eager lock (`tf_lossscale.loss_scales.eager_lock`): an eager
    `DynamicLossScale.update` of a few small gradients, with its lock and
    with the lock replaced by one that does nothing, and the lock alone
    (taken and released, timed a thousand at a time). The update is the
    cheapest eager step a loss scale takes, so the lock's share is the
    largest it can be.
-2. The step's argument checks (`tf_lossscale.step_arguments`): an eager
+2. The step's argument checks (`tf_lossscale._internal.step_arguments`): an eager
    `apply_gradients` of the Keras 3 `LossScaleOptimizer` (SGD inside) on
    200 small variables (20 in quick runs), with the checks and with them
    replaced by a plain `list`, and the checks alone. Many small variables
@@ -26,7 +26,7 @@ import tensorflow as tf
 import tf_lossscale
 from lsbench import timing
 from lsbench.sections import fit_step
-from tf_lossscale import step_arguments
+from tf_lossscale._internal import step_arguments
 
 NAME = "checks"
 TITLE = "Eager costs"

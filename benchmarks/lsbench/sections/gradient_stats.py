@@ -1,8 +1,8 @@
 """What `LossScaleMonitor(gradient_stats=True)` costs (an opt-in feature).
 
-1. The per-step statistics alone (`gradient_stats.scaled_gradient_stats`:
+1. The per-step statistics alone (`float16.scaled_gradient_stats`:
    zero-or-subnormal count and largest magnitude) against the finiteness
-   check every step already runs (`gradient_checks.all_finite`), on the
+   check every step already runs (`finiteness.all_finite`), on the
    same gradients (`lsbench.gradient_sets`: a ResNet-50-like set, 1000
    tensors of 1000 values, 4 tensors of 8M values), in interleaved rounds.
 2. `model.fit` of the MLP of `lsbench.fit_runs` (mixed_bfloat16 compute:
@@ -28,9 +28,9 @@ from lsbench import fit_runs
 from lsbench import gradient_sets
 from lsbench import timing
 from lsbench.sections import fit_step
-from tf_lossscale import gradient_checks
-from tf_lossscale import gradient_stats
-from tf_lossscale import step_gradient_stats
+from tf_lossscale.ops import finiteness
+from tf_lossscale.ops import float16
+from tf_lossscale.monitor import gradient_stats
 
 NAME = "stats"
 TITLE = "Gradient statistics (opt-in: LossScaleMonitor(gradient_stats=True))"
@@ -49,9 +49,9 @@ def statistics_vs_check(report, settings):
     scale = tf.constant(gradient_sets.SCALE)
     for name, shapes in gradient_sets.gradient_sets(settings.quick).items():
         grads = gradient_sets.scaled_gradients(shapes)
-        check = tf.function(lambda g=grads: gradient_checks.all_finite(g))
+        check = tf.function(lambda g=grads: finiteness.all_finite(g))
         stats = tf.function(
-            lambda g=grads: gradient_stats.scaled_gradient_stats(g, scale))
+            lambda g=grads: float16.scaled_gradient_stats(g, scale))
         samples = timing.interleaved(
             {"check": lambda f=check: f().numpy(),
              "statistics": lambda f=stats: f().numpy()},
@@ -82,7 +82,7 @@ def _attach(model, callbacks):
     """Attaches the statistics as the monitor does, every variable watched,
     re-makes the train function, and adds their per-batch read."""
     model.optimizer.build(model.trainable_variables)
-    stats = step_gradient_stats.attach(
+    stats = gradient_stats.attach(
         model.optimizer, model.trainable_variables, model.distribute_strategy)
     model.make_train_function(force=True)
     callbacks.append(_StatsLogger(stats))

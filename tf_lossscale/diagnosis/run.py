@@ -1,0 +1,161 @@
+"""`diagnose`: why a float16 run fails, measured on a few batches.
+
+    report = tf_lossscale.diagnose(model, dataset, steps=8)
+    print(report)              # a readable report
+    report.as_dict()           # the same figures, for code
+    report.plot("float16.png") # needs the "plot" extra (matplotlib)
+
+For each batch the model runs twice, with its weights as they are and
+`training=False` (dropout off, normalization with its moving statistics:
+nothing in the model changes, and both runs compute the same function):
+
+1. in float32, on a float32 twin of the model (`diagnosis_models`): each
+   layer's largest output and output gradient, and each variable's
+   gradient, the reference;
+2. as the model computes (float16 layers in float16), once per probed loss
+   scale (`scales`, powers of 2 from 1 to 2**32 by default): each layer's
+   largest output and whether it is finite, whether any gradient in the
+   backward pass overflowed (outputs' gradients of float16 layers and the
+   variables' gradients), and per variable of a float16 layer the values
+   lost to underflow: zero or subnormal in float16 where the float32
+   gradient is not 0.
+
+The loss is the compiled loss (or `loss=`): the mean of its per-example
+values over the batch, weighted by the batch's sample weights if it has
+them, as Keras' default reduction; the model's regularization losses are
+left out. Under the model's `tf.distribute` strategy each replica runs its
+part of every batch (the batch must split evenly), with its loss scaled to
+its share of the batch as `fit` does; what the replicas measured is
+combined (maxima over replicas, counts summed): the layers' figures are
+those of the whole batch, the variables' gradients each replica's, which
+are the ones float16 holds in training. The model, its optimizer, the
+layers' dtype policies and the global policy are left as they were.
+
+It runs without XLA (which may keep float16 values in float32: TF 2.16's
+XLA on CPU keeps a float16 gradient beyond 65504 finite), and reads a few
+numbers back to the host after every pass.
+
+`Float16Diagnosis` (`diagnosis_report`) turns the figures into the report
+and its advice.
+"""
+
+import itertools
+
+import tensorflow as tf
+
+from tf_lossscale.diagnosis import models
+from tf_lossscale.diagnosis import passes
+from tf_lossscale.diagnosis import report
+from tf_lossscale._internal import checks
+
+DEFAULT_SCALES = tuple(2.0 ** k for k in range(33))
+
+
+def diagnose(model, data, steps=8, *, loss=None, scales=DEFAULT_SCALES,
+             overflow_tolerance=report.OVERFLOW_TOLERANCE,
+             underflow_tolerance=report.UNDERFLOW_TOLERANCE):
+    """Measures where a float16 model overflows and underflows; returns a
+    `Float16Diagnosis`.
+
+    Args:
+      model: a functional or Sequential Keras model (Keras 3 or tf-keras)
+        with one output, as it trains (e.g. under `mixed_float16`).
+      data: a `tf.data.Dataset` or any iterable of `(x, y)` or
+        `(x, y, sample_weight)` batches, as `fit` takes them.
+      steps: how many batches of `data` to run (fewer if it ends sooner).
+      loss: the loss, as `compile` takes it (a name, a function of
+        `(y_true, y_pred)` or a `Loss`); by default the model's compiled
+        loss.
+      scales: the loss scales to run the float16 backward pass at, > 0,
+        increasing.
+      overflow_tolerance: the share of batches (0 to 1) whose backward pass
+        may overflow at the advised highest scale: 0.05 by default, which
+        with fewer than 20 batches means none.
+      underflow_tolerance: how much more of a variable's gradient may
+        underflow at the advised lowest scale than at the highest (a share,
+        0 to 1).
+
+    Raises:
+      TypeError: the model is not one `diagnose` can run (see above), or a
+        batch is not a tuple of 2 or 3.
+      ValueError: no batch; bad `steps`, `scales`, `overflow_tolerance` or
+        `underflow_tolerance`; no loss; or a batch that does not split
+        evenly over the replicas.
+    """
+    steps, scales = _checked_steps_and_scales(steps, scales)
+    tolerances = {name: _checked_share(name, value) for name, value in (
+        ("overflow_tolerance", overflow_tolerance),
+        ("underflow_tolerance", underflow_tolerance))}
+    loss_fn = _loss_function(model, loss)
+    batches = _batches(data, steps)
+    run = passes.Passes(model, loss_fn)
+    figures = passes.Totals(len(scales))
+    for batch in batches:
+        figures.add(run.batch(batch, scales))
+    return report.Float16Diagnosis(
+        layers=run.layer_rows(), variables=run.variable_rows(),
+        scales=list(scales), batches=len(batches),
+        replicas=run.replicas, **tolerances, **figures.totals())
+
+
+# Arguments.
+
+
+def _checked_steps_and_scales(steps, scales):
+    if not isinstance(steps, int) or isinstance(steps, bool):
+        raise TypeError(f"steps must be an int >= 1, got "
+                        f"{checks.summary(steps)}")
+    if steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    try:
+        scales = [float(scale) for scale in scales]
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"scales must be numbers, got {checks.summary(scales)}") from err
+    if not scales or not all(0 < s < float("inf") for s in scales) or any(
+            b <= a for a, b in zip(scales, scales[1:])):
+        raise ValueError("scales must be finite numbers > 0 in increasing "
+                         f"order, got {checks.summary(scales)}")
+    return steps, scales
+
+
+def _checked_share(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number in [0, 1], got "
+                        f"{checks.summary(value)}")
+    if not 0 <= value <= 1:
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def _loss_function(model, loss):
+    """A function `(y_true, y_pred) -> per-example losses`."""
+    models.check_model(model)
+    identifier = loss if loss is not None else getattr(model, "loss", None)
+    if identifier is None:
+        raise ValueError(
+            f"model {model.name!r} is not compiled with a loss: pass "
+            "loss= (a name, a function of (y_true, y_pred) or a Loss)")
+    if isinstance(identifier, (dict, list, tuple)):
+        raise TypeError(
+            f"diagnose takes one loss, got {checks.summary(identifier)}")
+    losses = models.keras_module(model).losses
+    function = losses.get(identifier)
+    # A Loss object reduces its values itself; `call` gives them per
+    # example, to be reduced here as the replicas' shares need.
+    return function.call if isinstance(function, losses.Loss) else function
+
+
+def _batches(data, steps):
+    if isinstance(data, tf.data.Dataset):
+        data = data.take(steps)
+    batches = []
+    for index, batch in enumerate(itertools.islice(iter(data), steps)):
+        if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
+            raise TypeError(
+                f"batch {index} of data must be (x, y) or (x, y, "
+                f"sample_weight), got {checks.summary(batch)}")
+        batches.append(tuple(batch) + (None,) * (3 - len(batch)))
+    if not batches:
+        raise ValueError("data holds no batch")
+    return batches

@@ -1,0 +1,283 @@
+"""`DynamicLossScale`: the dynamic algorithm (`tf_lossscale.loss_scales.dynamic_rule`)
+held in variables, stepped eagerly, in graphs and under XLA.
+
+Under XLA (`jit_compile=True`), where a step can neither fail nor print, the
+step records what the state check and the policy ask for
+(`tf_lossscale.loss_scales.xla_record`) and the host acts on it with the same errors and
+warnings (`tf_lossscale.loss_scales.xla_checks`): after each call when the policy asks
+for failures or warnings (a watcher is then required), and otherwise at the
+next eager read of the scale or the end of Keras' `fit`.
+
+In detail (the XLA guide):
+
+* with "warn", "raise" or `max_consecutive_skips`, the step can only be
+  traced while a watcher is live: `tf_lossscale.XlaChecks()` or
+  `LossScaleMonitor()` in `fit`'s callbacks, or
+  `tf_lossscale.with_xla_checks` around a custom step or
+  `model.train_on_batch`; otherwise the trace raises a RuntimeError
+  naming these fixes. The watcher acts after each call;
+* otherwise (the default) no watcher is needed. A state the check
+  refuses halts training (every later step changes nothing) and its
+  InvalidArgumentError is raised at the next eager read of the scale
+  (`loss_scale()`, `optimizer.dynamic_scale`), at the end of `fit`
+  (`finalize_variable_values`) or by a watcher, whichever comes first.
+
+Threads: eagerly, each update (`update`, or an optimizer's step updating
+the scale) reads and writes the whole state under a lock, so updates from
+several threads at once are not lost: N threads doing M updates each
+leave the state of N*M updates in a row (in an order no one chooses). It
+costs nothing measurable (`benchmarks/loss_scale_benchmark.py --only=checks`).
+TensorFlow's own `DynamicLossScale` loses such updates. Inside a
+`tf.function`, under XLA and in TF1 graphs nothing is locked: run one
+step at a time on a loss scale there, as with any TensorFlow variables.
+The optimizers' steps are not made thread-safe by this: one optimizer
+serves one training loop.
+"""
+
+import tensorflow as tf
+
+from tf_lossscale.ops import replicas
+from tf_lossscale.loss_scales import dynamic_rule
+from tf_lossscale.loss_scales import eager_lock
+from tf_lossscale.loss_scales import failure_policy
+from tf_lossscale.loss_scales import loss_scale
+from tf_lossscale.loss_scales import xla_checks
+from tf_lossscale.loss_scales import xla_record
+
+
+def _rule_parameter(name):
+    """A read-only property: the rule's parameter `name`."""
+    return property(lambda self: getattr(self._rule, name),  # pylint: disable=protected-access
+                    doc=f"The `{name}` argument, as checked.")
+
+
+def _argument(name):
+    """A read-only property: the checked constructor argument `name`."""
+    return property(lambda self: getattr(self._arguments, name),  # pylint: disable=protected-access
+                    doc=f"The `{name}` argument, as checked.")
+
+
+class DynamicLossScale(loss_scale.LossScale):
+    """A loss scale that grows while gradients stay finite and backs off.
+
+    See `tf_lossscale.loss_scales.dynamic_rule` for the exact rule. With the first three
+    arguments only, it is TensorFlow's rule, bit for bit. Create it under
+    `strategy.scope()` to share it between replicas; `update` then works in
+    cross-replica context and inside `strategy.run` of that strategy, and
+    raises ValueError anywhere else. Created outside any scope, it holds
+    plain variables and works with or without a strategy.
+
+    Args:
+      initial_loss_scale: the starting scale, a Python number > 0 that fits in
+        float32. Start high (the default, 2**15, is about half the float16
+        maximum): a scale that is too high comes down in a few steps, one
+        that is too low takes `increment_period` steps per doubling.
+      increment_period: grow the scale after this many consecutive finite
+        steps; a positive int (a whole float such as 2.0 is taken).
+      multiplier: the factor to grow by and, unless `backoff_factor` is
+        given, to divide by on a back-off; a finite Python number > 1.
+      backoff_factor: keyword-only; the factor a back-off multiplies the
+        scale by, in (0, 1). None (the default) divides by `multiplier`.
+      min_loss_scale: keyword-only; the floor no back-off goes below, a
+        finite number > 0 (below 1 is allowed, for models whose float16 loss
+        overflows even at scale 1). Default 1.0. An explicit floor above
+        `initial_loss_scale` is a ValueError; with the default floor an
+        initial scale below 1 backs off to 1, as in TensorFlow.
+      max_loss_scale: keyword-only; a ceiling growth is clamped to, >=
+        `initial_loss_scale` and >= `min_loss_scale`. None (the default):
+        growth only stops where the scale would overflow float32.
+      hysteresis: keyword-only; how many non-finite steps it takes to back
+        off, a positive int. Every non-finite step is skipped; the scale
+        only backs off once this budget is used up. 1 (the default) backs
+        off on every non-finite step, as TensorFlow does.
+      consecutive_hysteresis: keyword-only bool. False (the default): the
+        hysteresis budget is refilled only when the growth period completes.
+        True: every finite step refills it, so only that many non-finite
+        steps *in a row* back off.
+      on_min_loss_scale: keyword-only; what happens when a back-off is due
+        while the scale is already at `min_loss_scale`: "continue" (the
+        default: stay at the floor and skip the step), "warn" (the same,
+        plus one line starting "tf_lossscale WARNING:" on stderr each time,
+        also inside `tf.function` and `fit`) or "raise" (the step is skipped
+        and recorded, then fails with `tf.errors.InvalidArgumentError`
+        naming the floor, the scale and the count of steps skipped in a row).
+      max_consecutive_skips: keyword-only; None (the default) or a positive
+        int: when this many steps in a row were non-finite, the step fails
+        like "raise", naming the count and the scale.
+
+    Under XLA and with several threads: the module docstring.
+
+    Raises:
+      TypeError: an argument is a bool where a number is expected, or of the
+        wrong type.
+      ValueError: an argument is out of range, NaN or infinite, the bounds
+        contradict each other, or the current strategy is one loss scaling
+        cannot support.
+    """
+
+    def __init__(self, initial_loss_scale=2**15, increment_period=2000,
+                 multiplier=2.0, *, backoff_factor=None,
+                 min_loss_scale=dynamic_rule.DEFAULT_MIN_LOSS_SCALE, max_loss_scale=None,
+                 hysteresis=1, consecutive_hysteresis=False,
+                 on_min_loss_scale="continue", max_consecutive_skips=None):
+        arguments = dynamic_rule.checked_arguments(
+            initial_loss_scale, increment_period, multiplier, backoff_factor,
+            min_loss_scale, max_loss_scale, hysteresis,
+            consecutive_hysteresis, on_min_loss_scale, max_consecutive_skips)
+        initial, rule = arguments.initial_loss_scale, arguments.rule
+        policy = arguments.on_min_loss_scale
+        skip_limit = arguments.max_consecutive_skips
+        budget, floor = rule.hysteresis, rule.min_loss_scale
+        replicas.check_supported()
+        super().__init__()
+        self._eager_lock = eager_lock.EagerLock()
+        self._strategy = replicas.strategy_in_use()
+        self._arguments = arguments
+        self._rule = rule
+        # Variable order is part of the saved format (.keras files store the
+        # loss scale's variables by index): new state goes last.
+        self._current_loss_scale = self._add_state_variable(
+            "current_loss_scale", initial, tf.float32)
+        self._good_steps = self._add_state_variable(
+            "good_steps", 0, tf.int64)
+        self._hysteresis_remaining = None
+        if budget > 1:
+            self._hysteresis_remaining = self._add_state_variable(
+                "hysteresis_remaining", budget, tf.int64)
+        self._consecutive_skips = None
+        if policy != "continue" or skip_limit is not None:
+            self._consecutive_skips = self._add_state_variable(
+                "consecutive_skips", 0, tf.int64)
+        # Not state: never saved (see tf_lossscale.loss_scales.xla_record).
+        self._xla_record = xla_record.StepRecord(
+            self._state_variables, floor,
+            budget if self._hysteresis_remaining is not None else None,
+            policy, skip_limit)
+
+    # The arguments, read back (as given, checked).
+    initial_loss_scale = _argument("initial_loss_scale")
+    increment_period = _rule_parameter("increment_period")
+    multiplier = _rule_parameter("multiplier")
+    backoff_factor = _rule_parameter("backoff_factor")
+    min_loss_scale = _rule_parameter("min_loss_scale")
+    max_loss_scale = _rule_parameter("max_loss_scale")
+    hysteresis = _rule_parameter("hysteresis")
+    consecutive_hysteresis = _rule_parameter("consecutive_hysteresis")
+    on_min_loss_scale = _argument("on_min_loss_scale")
+    max_consecutive_skips = _argument("max_consecutive_skips")
+
+    @property
+    def good_steps(self):
+        """Consecutive finite steps since the scale last changed (int64)."""
+        return tf.convert_to_tensor(self._good_steps)
+
+    @property
+    def _needs_finiteness(self):
+        return True
+
+    def __call__(self):
+        """The current scale; eagerly, first raises what XLA steps left to
+        the host (`tf_lossscale.loss_scales.xla_checks.act`: one small read, only once
+        a step has been traced under XLA)."""
+        xla_checks.act(self)
+        return tf.convert_to_tensor(self._current_loss_scale)
+
+    def update(self, grads):
+        """`LossScale.update`; in a TF1 graph `should_apply_gradients` comes
+        from `grads` alone and only `update_op` checks and moves the state
+        (module docstring)."""
+        replicas.check_supported()
+        return replicas.call_in_cross_replica_context(
+            loss_scale.update_from_grads, self, grads)
+
+    @eager_lock.one_thread_at_a_time
+    def _update_from_all_finite(self, all_finite, *, gated=True):
+        """One step from the flag every replica agrees on.
+
+        Called in cross-replica context (or without a strategy). Checks the
+        state, moves it on, then applies the failure policy. Returns
+        `(update_op, should_apply)` as `update` does. Eagerly, one thread at
+        a time (see the class docstring).
+
+        Args:
+          all_finite: scalar bool tensor, the all-replica finiteness flag.
+          gated: keyword-only; matters in graphs only. True (the default,
+            for optimizers): `should_apply` runs only after the state check,
+            the assignments and the policy, so a branch on it cannot apply a
+            step that failed. False (`update` in a TF1 graph): `should_apply`
+            is `all_finite` itself, evaluable without the state variables;
+            `update_op` alone carries the check, assignments and policy.
+        """
+        # Here rather than in `update`: an optimizer computes the flag itself
+        # and calls this directly.
+        replicas.check_same_strategy("This DynamicLossScale",
+                                         self._strategy)
+        all_finite = tf.convert_to_tensor(all_finite)
+        state = self._read_state()
+        if xla_record.in_xla_context():
+            return self._xla_record.update(
+                state, all_finite,
+                failure_policy.state_is_valid(state, self._rule.hysteresis),
+                lambda s, f: dynamic_rule.next_dynamic_state(s, f, self._rule),
+                self._assign_state)
+        state_check = failure_policy.check_state(state, self._rule.hysteresis)
+        with tf.control_dependencies(_ops(state_check)):
+            new_state, at_floor = dynamic_rule.next_dynamic_state(
+                state, all_finite, self._rule)
+            assignments = self._assign_state(new_state)
+        with tf.control_dependencies(assignments):
+            failures = failure_policy.apply_policy(
+                new_state, at_floor, self._rule.min_loss_scale,
+                self._arguments.on_min_loss_scale,
+                self._arguments.max_consecutive_skips)
+        if tf.executing_eagerly():
+            return None, all_finite
+        # The assignments wait for the state check, so running update_op
+        # runs the check first.
+        update_op = tf.group(assignments + failures)
+        if not gated:
+            return update_op, all_finite
+        with tf.control_dependencies(
+                _ops(state_check) + assignments + failures):
+            should_apply = tf.identity(all_finite)
+        return update_op, should_apply
+
+    def _state_variables_in_order(self):
+        return (self._current_loss_scale, self._good_steps,
+                self._hysteresis_remaining, self._consecutive_skips)
+
+    def _read_state(self):
+        # Each variable is read once and every assignment uses those reads,
+        # so a TF1 graph cannot run one assignment before another's read.
+        return dynamic_rule.DynamicState(*(
+            None if variable is None else tf.convert_to_tensor(variable)
+            for variable in self._state_variables_in_order()))
+
+    def _assign_state(self, new_state):
+        assignments = [
+            variable.assign(value, read_value=False)
+            for variable, value in zip(self._state_variables_in_order(),
+                                       new_state)
+            if variable is not None
+        ]
+        return [] if tf.executing_eagerly() else assignments
+
+    def get_config(self):
+        return dynamic_rule.config_of(self._arguments)
+
+    def __repr__(self):
+        config = ", ".join(
+            f"{name}={value!r}" for name, value in self.get_config().items())
+        if tf.executing_eagerly():
+            # The variables, not `self()`: a repr must not raise.
+            state = (f"current_loss_scale="
+                     f"{float(self._current_loss_scale.numpy())!r}, "
+                     f"good_steps={int(self._good_steps.numpy())!r}, ")
+            return f"DynamicLossScale({state}{config})"
+        return f"DynamicLossScale({config})"
+
+
+
+def _ops(op):
+    """[op] for an op or tensor, [] for None (eagerly, nothing to wait on)."""
+    return [] if op is None else [op]

@@ -1,0 +1,236 @@
+"""The dynamic algorithm: its parameters, its state and one step of it.
+
+The algorithm (`tf_lossscale.DynamicLossScale`). State: the scale S (float32), the
+count of good steps G (int64) and, only when a feature needs them, the
+hysteresis budget H (int64, starts at `hysteresis`) and the count of
+consecutive skipped steps C (int64, starts at 0). Per step, all of it changes
+together:
+
+* finite step: C = 0; if `consecutive_hysteresis`, H = hysteresis.
+  If G + 1 >= increment_period: S = min(S * multiplier, max_loss_scale) when
+  S * multiplier is finite in float32 (otherwise S is unchanged), G = 0 and
+  H = hysteresis. Otherwise G = G + 1.
+* non-finite step (any NaN, +Inf or -Inf; the step must be skipped): G = 0,
+  C = C + 1, H = max(H - 1, 0). If H == 0 a back-off is due:
+  S = max(S * backoff_factor, min_loss_scale), or
+  max(S / multiplier, min_loss_scale) when `backoff_factor` is None. If S was
+  already at the floor (S <= min_loss_scale) when the back-off was due,
+  `on_min_loss_scale` decides: "continue" does nothing more, "warn" prints
+  one line to stderr, "raise" fails the step. Then, if `max_consecutive_skips`
+  is set and C >= max_consecutive_skips, the step fails.
+
+Without H (hysteresis=1) every non-finite step backs off. A failing step has
+already recorded itself in the state (it was skipped); the failure is a
+`tf.errors.InvalidArgumentError`, raised eagerly or by an assertion op in
+graphs. Before any of this, a state that cannot be right (S not finite or
+<= 0, G < 0, H outside [0, hysteresis], C < 0), for instance restored from a
+damaged checkpoint or file or assigned by hand, fails the step with an
+InvalidArgumentError naming every state variable and its value, and no
+variable changes (`tf_lossscale.loss_scales.failure_policy`: the check, the policy and
+their messages).
+
+With its default arguments the rule is TensorFlow's
+`tf.compat.v1.mixed_precision.DynamicLossScale`: arithmetic is float32
+throughout, in the same order, so both give bit-identical scales for every
+sequence of steps; the state is the same two variables under the same
+checkpoint names (`current_loss_scale`, `good_steps`) and `get_config()` the
+same three keys, so checkpoints and configs move freely between them. The
+extra variables are `hysteresis_remaining` and `consecutive_skips`; non-default
+arguments appear in `get_config()`.
+
+Here: the rule's parameters (`DynamicRule`, checked by
+`checked_arguments`), the state as tensors (`DynamicState`) and one step as
+a pure function of them (`next_dynamic_state`), the same code eagerly, in
+graphs and under XLA. The stateful class is
+`tf_lossscale.loss_scales.dynamic_loss_scale`.
+"""
+
+from typing import NamedTuple, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from tf_lossscale.loss_scales import failure_policy
+from tf_lossscale._internal import checks
+
+
+class _DefaultFloor(float):
+    """The type of `min_loss_scale`'s default: 1.0, but told from an explicit 1.0.
+
+    Only an explicit floor above `initial_loss_scale` is an error; with the
+    default one, an initial scale below 1 keeps TensorFlow's behaviour.
+    """
+
+    __slots__ = ()
+
+
+DEFAULT_MIN_LOSS_SCALE = _DefaultFloor(1.0)
+
+
+class DynamicRule(NamedTuple):
+    """The parameters of the dynamic algorithm that shape a step."""
+    increment_period: int
+    multiplier: float
+    backoff_factor: Optional[float] = None
+    min_loss_scale: float = 1.0
+    max_loss_scale: Optional[float] = None
+    hysteresis: int = 1
+    consecutive_hysteresis: bool = False
+
+
+class DynamicState(NamedTuple):
+    """Scalar tensors: S, G and, when they exist, H and C."""
+    scale: tf.Tensor
+    good_steps: tf.Tensor
+    hysteresis_remaining: Optional[tf.Tensor] = None
+    consecutive_skips: Optional[tf.Tensor] = None
+
+
+def next_dynamic_state(state, is_finite, rule):
+    """One step of the dynamic algorithm as a pure function of tensors.
+
+    Args:
+      state: the current `DynamicState`; H and C may be None (not tracked).
+      is_finite: scalar bool tensor, whether this step's gradients are finite.
+      rule: a `DynamicRule`.
+
+    Returns:
+      `(new_state, backoff_at_floor)`: the next `DynamicState` (None where
+      `state` has None) and a bool tensor, True when a back-off was due while
+      S was already <= min_loss_scale. Computed without branches, so the
+      same code runs eagerly, in graphs and under XLA.
+    """
+    scale, good_steps = state.scale, state.good_steps
+    multiplier = tf.constant(rule.multiplier, tf.float32)
+    floor = tf.constant(rule.min_loss_scale, tf.float32)
+
+    grown = scale * multiplier
+    period_reached = good_steps + 1 >= rule.increment_period
+    grows = tf.logical_and(period_reached, tf.math.is_finite(grown))
+    if rule.max_loss_scale is not None:
+        grown = tf.minimum(grown, tf.constant(rule.max_loss_scale, tf.float32))
+    scale_if_finite = tf.where(grows, grown, scale)
+
+    if rule.backoff_factor is None:
+        shrunk = scale / multiplier  # TensorFlow's arithmetic, bit for bit.
+    else:
+        shrunk = scale * tf.constant(rule.backoff_factor, tf.float32)
+    backed_off = tf.maximum(shrunk, floor)
+
+    budget = state.hysteresis_remaining
+    if budget is None:
+        backoff_due = tf.logical_not(is_finite)
+        scale_if_not_finite = backed_off
+        new_budget = None
+    else:
+        budget_after_skip = tf.maximum(budget - 1, 0)
+        budget_used_up = tf.equal(budget_after_skip, 0)
+        backoff_due = tf.logical_and(tf.logical_not(is_finite), budget_used_up)
+        scale_if_not_finite = tf.where(budget_used_up, backed_off, scale)
+        full = tf.constant(rule.hysteresis, budget.dtype)
+        refilled = full if rule.consecutive_hysteresis else tf.where(
+            period_reached, full, budget)
+        new_budget = tf.where(is_finite, refilled, budget_after_skip)
+
+    new_scale = tf.where(is_finite, scale_if_finite, scale_if_not_finite)
+    new_good_steps = tf.where(
+        tf.logical_and(is_finite, tf.logical_not(period_reached)),
+        good_steps + 1, tf.zeros_like(good_steps))
+    skips = state.consecutive_skips
+    new_skips = None if skips is None else tf.where(
+        is_finite, tf.zeros_like(skips), skips + 1)
+    at_floor = tf.logical_and(backoff_due, scale <= floor)
+    return DynamicState(new_scale, new_good_steps, new_budget,
+                        new_skips), at_floor
+
+
+def _check_bounds(initial, floor, floor_is_explicit, ceiling):
+    """The cross-argument checks, on the float32 values the state will hold."""
+    as_f32 = np.float32
+    if floor_is_explicit and as_f32(floor) > as_f32(initial):
+        raise ValueError(
+            f"min_loss_scale must be <= initial_loss_scale, got "
+            f"min_loss_scale={floor!r} and initial_loss_scale={initial!r}")
+    if ceiling is None:
+        return
+    if as_f32(ceiling) < as_f32(initial):
+        raise ValueError(
+            f"max_loss_scale must be >= initial_loss_scale, got "
+            f"max_loss_scale={ceiling!r} and initial_loss_scale={initial!r}")
+    if as_f32(ceiling) < as_f32(floor):
+        which = "" if floor_is_explicit else " (its default)"
+        raise ValueError(
+            f"max_loss_scale must be >= min_loss_scale, got "
+            f"max_loss_scale={ceiling!r} and min_loss_scale={floor!r}{which}")
+
+
+class DynamicArguments(NamedTuple):
+    """`DynamicLossScale`'s constructor arguments, checked."""
+    initial_loss_scale: float
+    rule: DynamicRule
+    on_min_loss_scale: str
+    max_consecutive_skips: Optional[int]
+
+
+def checked_arguments(initial_loss_scale, increment_period, multiplier,
+                      backoff_factor, min_loss_scale, max_loss_scale,
+                      hysteresis, consecutive_hysteresis, on_min_loss_scale,
+                      max_consecutive_skips):
+    """`DynamicArguments` from `DynamicLossScale`'s arguments.
+
+    Raises:
+      TypeError, ValueError: as `DynamicLossScale` documents, naming the
+        argument and the value.
+    """
+    initial = checks.finite_float32(
+        "initial_loss_scale", initial_loss_scale, above=0)
+    period = checks.positive_int("increment_period", increment_period)
+    factor = checks.finite_float32("multiplier", multiplier, above=1)
+    if backoff_factor is not None:
+        backoff_factor = checks.finite_float32(
+            "backoff_factor", backoff_factor, above=0, below=1)
+    floor_is_explicit = min_loss_scale is not DEFAULT_MIN_LOSS_SCALE
+    floor = checks.finite_float32(
+        "min_loss_scale", min_loss_scale, above=0)
+    if max_loss_scale is not None:
+        max_loss_scale = checks.finite_float32(
+            "max_loss_scale", max_loss_scale, above=0)
+    _check_bounds(initial, floor, floor_is_explicit, max_loss_scale)
+    budget = checks.positive_int("hysteresis", hysteresis)
+    consecutive = checks.boolean(
+        "consecutive_hysteresis", consecutive_hysteresis)
+    policy = checks.one_of(
+        "on_min_loss_scale", on_min_loss_scale, failure_policy.POLICIES)
+    skip_limit = checks.optional_positive_int(
+        "max_consecutive_skips", max_consecutive_skips)
+    rule = DynamicRule(
+        increment_period=period, multiplier=factor,
+        backoff_factor=backoff_factor, min_loss_scale=floor,
+        max_loss_scale=max_loss_scale, hysteresis=budget,
+        consecutive_hysteresis=consecutive)
+    return DynamicArguments(initial, rule, policy, skip_limit)
+
+
+def config_of(arguments):
+    """`DynamicLossScale.get_config()` of `arguments`: TensorFlow's three
+    keys, then the others that differ from their defaults (so a default
+    config is TensorFlow's)."""
+    rule = arguments.rule
+    config = {
+        "initial_loss_scale": arguments.initial_loss_scale,
+        "increment_period": rule.increment_period,
+        "multiplier": rule.multiplier,
+    }
+    optional = {
+        "backoff_factor": (rule.backoff_factor, None),
+        "min_loss_scale": (rule.min_loss_scale, 1.0),
+        "max_loss_scale": (rule.max_loss_scale, None),
+        "hysteresis": (rule.hysteresis, 1),
+        "consecutive_hysteresis": (rule.consecutive_hysteresis, False),
+        "on_min_loss_scale": (arguments.on_min_loss_scale, "continue"),
+        "max_consecutive_skips": (arguments.max_consecutive_skips, None),
+    }
+    for name, (value, default) in optional.items():
+        if value != default:
+            config[name] = value
+    return config

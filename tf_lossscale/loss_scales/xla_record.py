@@ -1,0 +1,278 @@
+"""The device side of the XLA checks: what a compiled step records.
+
+Inside an XLA-compiled step (`tf.function(jit_compile=True)`, and Keras'
+`fit` with `jit_compile`, its default on GPUs) nothing can fail or print:
+XLA drops assertion ops and cannot compile string formatting. So there a
+`DynamicLossScale` writes what its state check and failure policy ask for
+into a small int64 variable of its own, the record, and host-side code
+(`tf_lossscale.loss_scales.xla_checks`) acts on it later with the same error or warning
+as without XLA.
+
+The record is made with the loss scale's state, eagerly in TF2 programs
+(a `tf.function` may only create variables on its first call, and the step
+may be traced long after the loss scale was made), never in TF1 graphs
+(where XLA steps are not supported). It is not state: not in
+`LossScale.variables`, not a checkpoint dependency, never saved.
+
+What a step does under XLA:
+
+* a state that fails the state check refuses the step: nothing changes, and
+  the record keeps the state's values for the message;
+* "raise" and `max_consecutive_skips`: the failing step is recorded in the
+  scale's state as without XLA, and in the record;
+* "warn": the record counts the warnings and keeps the last one's values.
+
+Once a step has failed or was refused, every later step changes nothing
+either (no weight, slot, scale or counter; `halted`) until the host has acted
+on the record and cleared it, so the weights are those of the last applied
+step whenever the error is raised.
+
+A loss scale whose policy asks for failures or warnings (`needs_host`) may
+only be traced under XLA while a watch is live: otherwise nothing would act
+on the record, and the trace raises a RuntimeError naming the fixes. The
+watches are registered here by the host side; this module only asks them.
+"""
+
+import threading
+from typing import NamedTuple
+
+import numpy as np
+import tensorflow as tf
+
+from tf_lossscale.loss_scales import failure_policy
+from tf_lossscale._internal import private_api
+
+# Event codes of a failed or refused step.
+NONE, INVALID, AT_FLOOR, TOO_MANY_SKIPS = 0, 1, 2, 3
+# The record: [failure code, then the values its message needs: S's bits, G,
+# H, C; then warnings since the host last looked, the last warning's S bits
+# and C]. Integers only: XLA on every device handles int64.
+_CODE, _SCALE, _GOOD, _BUDGET, _SKIPS = range(5)
+_WARNINGS, _WARN_SCALE, _WARN_SKIPS = range(5, 8)
+_SIZE = 8
+
+
+# Whether ops built now are compiled by XLA (checked while tracing).
+in_xla_context = private_api.in_xla_context
+
+
+class Recorded(NamedTuple):
+    """A record read back on the host; the scales as Python floats."""
+    code: int
+    state: dict  # Refused state or failing step: {field: value}.
+    warnings: int
+    warn_scale: float
+    warn_skips: int
+
+
+def _bits(scale):
+    return tf.cast(tf.bitcast(scale, tf.int32), tf.int64)
+
+
+def _scale_from_bits(bits):
+    return float(np.array(bits).astype(np.int32).view(np.float32))
+
+
+def _zero():
+    return tf.zeros([], tf.int64)
+
+
+class StepRecord:
+    """What XLA-compiled steps of one `DynamicLossScale` leave for the host.
+
+    Args:
+      fields: the names of the loss scale's state variables
+        (`failure_policy.FIELDS`, H and C only when tracked).
+      floor, hysteresis, policy, limit: the loss scale's `min_loss_scale`,
+        `hysteresis`, `on_min_loss_scale` and `max_consecutive_skips`, for
+        the messages.
+    """
+
+    def __init__(self, fields, floor, hysteresis, policy, limit):
+        self.fields = tuple(fields)
+        self.floor = floor
+        self.hysteresis = hysteresis
+        self.policy = policy
+        self.limit = limit
+        self.needs_host = failure_policy.needs_host(policy, limit)
+        # Set once a step of this loss scale has been traced under XLA: only
+        # then can the record hold anything, so host moments read it only
+        # then.
+        self.traced = False
+        self.variable = None
+        if tf.compat.v1.executing_eagerly_outside_functions():
+            # Made where the state variables are (same strategy scope).
+            self.variable = tf.Variable(
+                tf.zeros([_SIZE], tf.int64), name="xla_step_record",
+                trainable=False, aggregation=tf.VariableAggregation.NONE)
+        self._watches = []
+        self._lock = threading.Lock()
+
+    def __deepcopy__(self, memo):
+        # A copy of a loss scale has state of its own: its record starts
+        # empty and nothing watches it yet (a lock cannot be copied anyway).
+        del memo
+        return StepRecord(self.fields, self.floor, self.hysteresis,
+                          self.policy, self.limit)
+
+    # Watches: objects with `live()` and `note_trace()`, added by the host.
+
+    def add_watch(self, watch):
+        with self._lock:
+            self._watches.append(watch)
+
+    def remove_watch(self, watch):
+        with self._lock:
+            self._watches = [w for w in self._watches if w is not watch]
+
+    def check_watched(self):
+        """At trace time: a configuration that needs the host needs a live
+        watch, which is told it saw this trace; dead watches are dropped."""
+        with self._lock:
+            self._watches = [w for w in self._watches if w.live()]
+            live = list(self._watches)
+        if not self.needs_host:
+            return
+        if not live:
+            raise RuntimeError(failure_policy.NOT_WATCHED.format(
+                asks=failure_policy.what_is_asked(self.policy, self.limit)))
+        for watch in live:
+            watch.note_trace()
+
+    # Device side, traced into the XLA step.
+
+    def update(self, state, all_finite, valid, next_state, assign):
+        """The scale's update under XLA; returns `(update_op, should_apply)`.
+
+        Args:
+          state: the `DynamicState` read this step.
+          all_finite: the all-replica finiteness flag.
+          valid: a bool tensor, whether `state` passes the state check.
+          next_state: `next_state(state, all_finite) -> (new, at_floor)`.
+          assign: `assign(new_state) -> assignment ops`.
+
+        Raises:
+          RuntimeError: the policy needs the host and no watch is live, or
+            the loss scale was made in a TF1 graph.
+        """
+        if self.variable is None:
+            raise RuntimeError(
+                "tf_lossscale: a DynamicLossScale made in a TF1 graph cannot "
+                "run in an XLA-compiled step; compile the step without XLA.")
+        self.check_watched()
+        self.traced = True
+        record = tf.convert_to_tensor(self.variable)
+        # A step after a failure, or on a state that cannot be right, changes
+        # nothing: the host has not raised yet.
+        proceed = tf.logical_and(valid, tf.equal(record[_CODE], NONE))
+        new_state, at_floor = next_state(state, all_finite)
+        kept = type(state)(*(
+            None if old is None else tf.where(proceed, new, old)
+            for old, new in zip(state, new_state)))
+        assignments = assign(kept)
+        at_floor = tf.logical_and(proceed, at_floor)
+        new_record = self._next_record(record, state, kept, proceed,
+                                       at_floor)
+        with tf.control_dependencies(assignments):
+            written = self.variable.assign(new_record)
+        with tf.control_dependencies(assignments + [written]):
+            should_apply = tf.logical_and(
+                tf.logical_and(all_finite, proceed),
+                tf.equal(new_record[_CODE], NONE))
+        return tf.group(assignments + [written]), should_apply
+
+    def _next_record(self, record, state, new_state, proceed, at_floor):
+        """The record after this step (int64 vector)."""
+        skips = new_state.consecutive_skips
+        if skips is None:  # Only "continue" without a limit lacks C.
+            skips = _zero()
+        code = self._failure_code(record[_CODE], proceed, at_floor, skips)
+        # A refusal keeps the bad state; a new failure the values after the
+        # step; an earlier failure its own values.
+        refused_now = tf.logical_and(tf.equal(record[_CODE], NONE),
+                                     tf.logical_not(proceed))
+        failed_now = tf.logical_and(proceed, tf.not_equal(code, NONE))
+        values = tf.where(
+            refused_now, _values(state),
+            tf.where(failed_now, _values(new_state), record[_SCALE:_SKIPS + 1]))
+        warns = (at_floor if self.policy == "warn"
+                 else tf.constant(False))
+        warning = tf.where(
+            warns,
+            tf.stack([record[_WARNINGS] + 1, _bits(new_state.scale), skips]),
+            record[_WARNINGS:])
+        return tf.concat([code[None], values, warning], axis=0)
+
+    def _failure_code(self, code, proceed, at_floor, skips):
+        """The failure code after this step; an earlier one stays."""
+        code = tf.where(tf.logical_and(tf.equal(code, NONE),
+                                       tf.logical_not(proceed)),
+                        tf.constant(INVALID, tf.int64), code)
+        if self.limit is not None:
+            code = tf.where(tf.logical_and(proceed, skips >= self.limit),
+                            tf.constant(TOO_MANY_SKIPS, tf.int64), code)
+        if self.policy == "raise":  # Wins over the limit, as without XLA.
+            code = tf.where(at_floor, tf.constant(AT_FLOOR, tf.int64), code)
+        return code
+
+    def halted(self):
+        """Whether the step just updated must neither apply nor be recorded
+        as skipped (it failed or was refused); read after the update."""
+        return tf.not_equal(tf.convert_to_tensor(self.variable)[_CODE], NONE)
+
+    # Host side: reading it back.
+
+    def take(self):
+        """Reads the record (one small device-to-host read) and clears it;
+        None when it holds nothing. Eagerly, in cross-replica context."""
+        values = self.variable.numpy()
+        if not values.any():
+            return None
+        self.variable.assign(tf.zeros([_SIZE], tf.int64))
+        state = dict(zip(failure_policy.FIELDS[:2],
+                         (_scale_from_bits(values[_SCALE]),
+                          int(values[_GOOD]))))
+        for name, index in (("hysteresis_remaining", _BUDGET),
+                            ("consecutive_skips", _SKIPS)):
+            if name in self.fields:
+                state[name] = int(values[index])
+        return Recorded(int(values[_CODE]), state, int(values[_WARNINGS]),
+                        _scale_from_bits(values[_WARN_SCALE]),
+                        int(values[_WARN_SKIPS]))
+
+
+def _values(state):
+    """S's bits, G, H, C of a `DynamicState` (0 for an untracked one)."""
+    return tf.stack([
+        _bits(state.scale), tf.cast(state.good_steps, tf.int64),
+        *(_zero() if value is None else tf.cast(value, tf.int64)
+          for value in (state.hysteresis_remaining,
+                        state.consecutive_skips))])
+
+
+def record_of(target):
+    """The `StepRecord` of a loss scale or of an optimizer's loss scale;
+    None for loss scales that have none (fixed, user-defined)."""
+    record = getattr(target, "_xla_record", None)
+    if record is None:
+        record = getattr(getattr(target, "loss_scale", None), "_xla_record",
+                         None)
+    return record
+
+
+def check_watched(loss_scale):
+    """While tracing under XLA, raises the RuntimeError of `StepRecord.update`
+    now if it would: for callers that create variables before the update (a
+    trace that fails after creating variables leaves them unusable)."""
+    record = record_of(loss_scale)
+    if record is not None and in_xla_context():
+        record.check_watched()
+
+
+def halted(loss_scale):
+    """None unless `loss_scale` has just been updated under XLA; then the
+    bool tensor `StepRecord.halted`."""
+    record = record_of(loss_scale)
+    if record is None or not in_xla_context():
+        return None
+    return record.halted()

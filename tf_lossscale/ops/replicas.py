@@ -1,0 +1,173 @@
+"""Agreement across replicas and workers under `tf.distribute`.
+
+Under a distribution strategy every replica computes gradients on its own part
+of the batch, so a NaN or Inf may appear on one replica only. Loss scaling is
+only correct if every replica, on every worker, reaches the same decision:
+
+* each replica reduces its own gradients to one all-finite flag;
+* the flags are combined with **one** reduction of **one** float32 scalar per
+  step (cast to float, as booleans cannot be reduced), summed over all
+  replicas in sync, and compared with the number of replicas;
+* the loss scale is updated once, in cross-replica context, from that shared
+  answer, so mirrored copies never diverge.
+
+Contexts:
+
+* cross-replica context (under `strategy.scope()`, outside `strategy.run`):
+  gradients are usually `PerReplica` values; the reduction happens directly.
+* replica context (inside `strategy.run`, or `model.fit`'s train step): the
+  cross-replica context is reached with `merge_call`, and every replica gets
+  the same result back.
+* no strategy (the default strategy): the local flag is the answer.
+
+Parameter-server and central-storage strategies are rejected: they keep
+variables on parameter devices instead of mirroring them on every replica,
+and parameter-server workers apply their updates asynchronously, so there is
+no single step on which all replicas could agree.
+"""
+
+import tensorflow as tf
+
+from tf_lossscale.ops import finiteness
+from tf_lossscale._internal import private_api
+
+_UNSUPPORTED_STRATEGIES = (
+    tf.distribute.experimental.ParameterServerStrategy,
+    tf.distribute.experimental.CentralStorageStrategy,
+    tf.compat.v1.distribute.experimental.ParameterServerStrategy,
+    tf.compat.v1.distribute.experimental.CentralStorageStrategy,
+)
+
+
+def check_supported(strategy=None):
+    """Raises ValueError if the (current) strategy cannot agree on a step.
+
+    Args:
+      strategy: the strategy to check; the current one when None.
+    """
+    strategy = strategy or tf.distribute.get_strategy()
+    if isinstance(strategy, _UNSUPPORTED_STRATEGIES):
+        raise ValueError(
+            f"tf_lossscale does not support {type(strategy).__name__}: its "
+            "variables are not mirrored per replica, so replicas cannot share "
+            "one loss scale and one skip decision. Use MirroredStrategy, "
+            "MultiWorkerMirroredStrategy, OneDeviceStrategy or no strategy.")
+
+
+def strategy_in_use():
+    """The strategy whose scope or `run` we are in; None without one."""
+    if not tf.distribute.has_strategy():
+        return None
+    return tf.distribute.get_strategy()
+
+
+def check_same_strategy(owner, created_under):
+    """Raises ValueError unless the current strategy is `created_under`.
+
+    State mirrored by one strategy must be updated under that strategy: out
+    of its scope there is no strategy to reduce with, and each worker of a
+    MultiWorkerMirroredStrategy would silently decide alone.
+
+    Args:
+      owner: what holds the state, for the message.
+      created_under: the strategy the state was created under, or None for
+        plain variables (usable anywhere).
+    """
+    current = strategy_in_use()
+    if created_under is not None and current is not created_under:
+        where = (f"under {type(current).__name__}" if current is not None
+                 else "outside any strategy")
+        raise ValueError(
+            f"{owner} was created under {type(created_under).__name__} but "
+            f"used {where}; call it under that strategy's scope() or inside "
+            "its run()")
+
+
+def in_replica_context():
+    """True inside `strategy.run` of a real (non-default) strategy."""
+    return (tf.distribute.has_strategy()
+            and not tf.distribute.in_cross_replica_context())
+
+
+def call_in_cross_replica_context(fn, *args):
+    """Returns `fn(*args)` evaluated in cross-replica context.
+
+    From a replica context this goes through `merge_call`: replicas pause
+    until all of them arrive, `fn` runs once with their arguments combined
+    into per-replica values, and each replica receives its result. Anywhere
+    else `fn` is simply called.
+    """
+    if in_replica_context():
+        return tf.distribute.get_replica_context().merge_call(
+            lambda _strategy, *merged: fn(*merged), args=args)
+    return fn(*args)
+
+
+def call_for_each_replica(fn, *args):
+    """From cross-replica context, runs `fn(*args)` once in every replica.
+
+    Per-replica values in `args` are unwrapped for each replica. Without a
+    strategy, `fn` is simply called.
+    """
+    strategy = strategy_in_use()
+    if strategy is None:
+        return fn(*args)
+    return private_api.call_for_each_replica(strategy, fn, args)
+
+
+def local_results(value):
+    """The flat list of what `value` holds on this worker: each replica's
+    component of a per-replica value, anything else as it is."""
+    flat = tf.nest.flatten(value)
+    strategy = strategy_in_use()
+    if strategy is None:
+        return flat
+    return [part for item in flat
+            for part in strategy.experimental_local_results(item)]
+
+
+def _replica_sum(strategy, flags_fn, args):
+    """Each replica's `flags_fn(*args)`, as float32, summed over all replicas
+    and workers with one all-reduce."""
+    per_replica = private_api.call_for_each_replica(
+        strategy, lambda *a: tf.cast(flags_fn(*a), tf.float32), args)
+    return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+
+def all_replicas_true(flag_fn, *args):
+    """Returns a scalar bool tensor: True iff `flag_fn(*args)` is True on
+    every replica of every worker.
+
+    Must be called in cross-replica context (or without a strategy). Each
+    replica evaluates `flag_fn` (which returns a scalar bool tensor) on its
+    own values of `args`; the flags are combined with one all-reduce of one
+    float32 scalar.
+    """
+    strategy = strategy_in_use()
+    if strategy is None:
+        return flag_fn(*args)
+    return tf.equal(_replica_sum(strategy, flag_fn, args),
+                    tf.constant(strategy.num_replicas_in_sync, tf.float32))
+
+
+def any_replica_true(flags_fn, *args):
+    """Returns a bool tensor: element i is True iff element i of
+    `flags_fn(*args)` (a bool vector of static length) is True on any replica
+    of any worker.
+
+    Must be called in cross-replica context (or without a strategy); costs
+    one all-reduce of a float32 vector of that length.
+    """
+    strategy = strategy_in_use()
+    if strategy is None:
+        return flags_fn(*args)
+    return _replica_sum(strategy, flags_fn, args) > 0
+
+
+def all_replicas_finite(grads):
+    """Returns a scalar bool tensor: True iff no replica has a non-finite grad.
+
+    Must be called in cross-replica context (or without a strategy). `grads`
+    may hold per-replica values, which each replica checks on its own device.
+    """
+    return all_replicas_true(finiteness.all_finite, grads)

@@ -1,0 +1,267 @@
+"""One loss-scaled optimizer step, the same for every optimizer wrapper.
+
+The Keras 3 wrapper, the tf-keras wrapper and the TF1 optimizer wrapper are
+adapters: each knows its framework (base class, attributes, saving) and hands
+one step's gradients to `apply_or_skip`, which does the rest the same way for
+all of them:
+
+1. one finiteness flag, agreed by every replica on every worker with one
+   scalar all-reduce (`tf_lossscale.ops.replicas`), before any branch that
+   holds a collective, so all replicas apply or all skip together;
+2. the loss scale's update from that flag (a user-defined `LossScale` gets
+   its public `update(grads)` instead);
+3. apply: the adapter's inner apply runs in every replica; or skip: a
+   `SkipRecord` counts the step and records which variables' gradients were
+   not finite (worked out only on skipped steps; applied steps pay only the
+   executor's small cost per op of a branch not taken, kept low by reading
+   the flags through the unscale's packs).
+
+The unscale, the check and the agreement are the fields of a `StepParts`,
+`FULL_STEP` for every wrapper, so that each can be replaced on its own (the
+benchmark measures each part's cost that way).
+
+`unscale_for_apply` is step 0 for adapters whose caller hands over scaled
+gradients. Variables that take their gradient as their new value (Keras'
+float8 scales and amax histories, `overwrite_with_gradient`) get it as
+computed, as Keras' own wrapper does; they are still checked.
+
+Under XLA a loss scale's failed or refused step halts every later one
+(nothing applied, nothing counted as skipped) until the host has acted on
+its record: `tf_lossscale.loss_scales.xla_record`, `tf_lossscale.loss_scales.xla_checks`.
+"""
+
+import contextlib
+from typing import Callable, NamedTuple
+
+import tensorflow as tf
+
+from tf_lossscale.ops import replicas
+from tf_lossscale.ops import finiteness
+from tf_lossscale._internal import step_arguments
+from tf_lossscale.ops import unscaling
+from tf_lossscale.loss_scales import xla_record
+
+
+def takes_gradient_as_value(variable):
+    """Whether `variable` is overwritten by its gradient (Keras float8)."""
+    return bool(getattr(variable, "overwrite_with_gradient", False))
+
+
+def scale_loss(loss, loss_scale):
+    """`loss * loss_scale()` in the loss's dtype; for a callable `loss`, a
+    callable that returns it. A loss that is not floating-point raises
+    TypeError (`step_arguments.checked_loss`)."""
+    if callable(loss):
+        return lambda: scale_loss(loss(), loss_scale)
+    loss = step_arguments.checked_loss(loss)
+    return loss * tf.cast(loss_scale(), loss.dtype)
+
+
+def unscale_for_apply(grads, variables, scale):
+    """`grads / scale`, except for variables that take their gradient as
+    their value; `None` and `tf.IndexedSlices` entries keep their form."""
+    return unscaling.unscale(
+        grads, scale, keep=[takes_gradient_as_value(v) for v in variables])
+
+
+class StepParts(NamedTuple):
+    """The parts of a step that are plain functions, so that each can be
+    replaced on its own.
+
+    Every wrapper runs `FULL_STEP`. The benchmark's ablations
+    (`benchmarks/lsbench/ablations.py`) replace one part at a time to
+    measure what it costs, on the step users run.
+
+    Attributes:
+      unscale: `unscale(grads, variables, scale)`, step 0 for adapters whose
+        caller hands over scaled gradients (`unscale_for_apply`).
+      check: `check(grads)`, one replica's gradients -> scalar bool, True
+        when all are finite (`finiteness.all_finite`).
+      agree: `agree(check, grads)`, cross-replica context -> the scalar bool
+        every replica agrees on (`replicas.all_replicas_true`).
+    """
+    unscale: Callable
+    check: Callable
+    agree: Callable
+
+
+FULL_STEP = StepParts(unscale=unscale_for_apply,
+                      check=finiteness.all_finite,
+                      agree=replicas.all_replicas_true)
+
+
+class SkipRecord:
+    """What a skipped step writes: one more skipped step, and a flag per
+    variable (1 where its gradient held NaN or +-Inf on any replica).
+
+    Args:
+      skipped_steps: a scalar int64 variable.
+      nonfinite_flags: an int32 vector variable, one flag per position, or
+        None to record only the count.
+      positions: maps the step's variables to their positions in
+        `nonfinite_flags` (a callable taking the list of variables).
+    """
+
+    def __init__(self, skipped_steps, nonfinite_flags=None, positions=None):
+        self.skipped_steps = skipped_steps
+        self.nonfinite_flags = nonfinite_flags
+        self.positions = positions
+
+    def write(self, grads, variables):
+        """Cross-replica context: records one skipped step."""
+        # Keras variables' assign methods take no `read_value`.
+        ops = [self.skipped_steps.assign_add(1)]
+        if self.nonfinite_flags is not None:
+            flags = _any_replica_nonfinite(
+                grads, self.positions(variables),
+                self.nonfinite_flags.shape[0])
+            ops.append(self.nonfinite_flags.assign(tf.cast(flags, tf.int32)))
+        return ops
+
+
+def _any_replica_nonfinite(grads, positions, size):
+    """A bool vector of length `size`: True at `positions[i]` when gradient
+    i is not finite on any replica; False elsewhere."""
+
+    def local_flags(local_grads):
+        flags = finiteness.nonfinite_flags(list(local_grads))
+        if list(positions) == list(range(size)):
+            return flags
+        if not positions:
+            return tf.zeros([size], tf.bool)
+        return tf.tensor_scatter_nd_max(
+            tf.zeros([size], tf.int32), [[p] for p in positions],
+            tf.cast(flags, tf.int32)) > 0
+
+    return replicas.any_replica_true(local_flags, grads)
+
+
+@contextlib.contextmanager
+def building_outside_traces():
+    """For a wrapper's first build, which may come inside a traced step:
+    its variables are made eagerly and are not the tf.function's.
+
+    TensorFlow lets a tf.function create variables on its first call only,
+    and a first trace that fails (an XLA step without a watcher,
+    `check_traceable`) would leave the function unable to make them later.
+    `experimental_enable_variable_lifting=False` (a documented tf.Variable
+    argument since TF 2.11) keeps the function from counting them.
+    """
+
+    def not_lifted(next_creator, **kwargs):
+        kwargs["experimental_enable_variable_lifting"] = False
+        return next_creator(**kwargs)
+
+    with tf.init_scope(), tf.variable_creator_scope(not_lifted):
+        yield
+
+
+def check_traceable(loss_scale):
+    """Call first in an apply, before anything is built: under XLA, a loss
+    scale whose failures need a watcher and has none fails the trace here
+    (`tf_lossscale.loss_scales.xla_record`), before variables are created in it."""
+    xla_record.check_watched(loss_scale)
+
+
+def update_loss_scale(loss_scale, grads, parts=None):
+    """Cross-replica context: updates `loss_scale` from `grads` (unscaled,
+    possibly per-replica) and returns `(update_op, should_apply)`.
+
+    The built-in loss scales are driven by the all-replica flag directly,
+    with `should_apply` ordered after their state check, update and policy;
+    a fixed scale that never skips computes no check at all. `parts`: the
+    `StepParts` whose check and agreement give that flag (`FULL_STEP`).
+    """
+    parts = parts or FULL_STEP
+    update_from_flag = getattr(loss_scale, "_update_from_all_finite", None)
+    if update_from_flag is None:
+        return loss_scale.update(grads)  # A user-defined LossScale.
+    if not getattr(loss_scale, "_needs_finiteness", True):
+        return update_from_flag(tf.constant(True))
+    return update_from_flag(parts.agree(parts.check, grads))
+
+
+def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record,
+                  stats=None, parts=None):
+    """One step: update the scale, then apply in every replica or skip.
+
+    May be called in a replica context (inside `strategy.run`, `fit`'s train
+    step) or in cross-replica context; all replicas take the same branch.
+
+    Args:
+      loss_scale: the `tf_lossscale.LossScale`.
+      grads: the step's *unscaled* gradients, a list (per-replica values in
+        cross-replica context).
+      variables: the list of variables `grads` belong to.
+      apply_fn: `apply_fn(grads, variables)` applies the gradients; it is
+        called once in every replica with that replica's values, and may
+        return an op or tensor to wait on.
+      skip_record: the `SkipRecord` written on skipped steps, or None to
+        record nothing (a wrapper whose checkpoints hold no such state).
+      stats: None (the default: the step holds nothing more), or the
+        opted-in per-step gradient statistics of
+        `tf_lossscale.monitor.gradient_stats`, written on every step, applied
+        or skipped, from the gradients and the scale they ran with.
+      parts: the `StepParts` to run; None for `FULL_STEP`.
+
+    Returns:
+      None eagerly; in graphs an op that runs the whole step (TF1 callers
+      run it; in `tf.function` the step runs anyway).
+    """
+    # Only the data crosses `merge_call`: anything passed through it comes
+    # back regrouped per replica, callables included.
+    def cross_replica_step(grads, variables):
+        return _apply_or_skip_cross_replica(
+            loss_scale, grads, variables, apply_fn, skip_record, stats,
+            parts)
+
+    return replicas.call_in_cross_replica_context(
+        cross_replica_step, grads, variables)
+
+
+def _apply_or_skip_cross_replica(loss_scale, grads, variables, apply_fn,
+                                 skip_record, stats=None, parts=None):
+    # Before the update, which waits for them: the statistics are of the
+    # scale the step ran with.
+    stats_op = None if stats is None else stats.write(grads, loss_scale)
+    with tf.control_dependencies([] if stats_op is None else [stats_op]):
+        update_op, should_apply = update_loss_scale(loss_scale, grads, parts)
+
+    def apply_in_every_replica():
+        results = replicas.call_for_each_replica(apply_fn, grads,
+                                                     variables)
+        # Per-replica results are unwrapped, so a TF1 graph's step op waits
+        # on every replica's apply.
+        return _done(replicas.local_results(results))
+
+    def skip():
+        if skip_record is None:
+            return _done([])
+        return _done(skip_record.write(grads, variables))
+
+    # Under XLA a step that failed (or was refused) changes nothing more, as
+    # the error would have stopped it without XLA; the host raises after the
+    # call, or later (tf_lossscale.loss_scales.xla_checks).
+    halted = xla_record.halted(loss_scale)
+    if halted is not None:
+        record_skip = skip
+        skip = lambda: tf.cond(halted, lambda: _done([]), record_skip)  # pylint: disable=unnecessary-lambda-assignment
+
+    if isinstance(should_apply, bool):
+        step = apply_in_every_replica() if should_apply else skip()
+    else:
+        step = tf.cond(should_apply, apply_in_every_replica, skip)
+    if tf.executing_eagerly():
+        return None
+    return tf.group([op for op in (update_op, step) if op is not None])
+
+
+def _done(ops):
+    """A bool tensor that is ready once `ops` have run (graphs), so both
+    branches of a `tf.cond` return the same structure; None eagerly."""
+    if tf.executing_eagerly():
+        return None
+    waits = [op for op in ops
+             if isinstance(op, (tf.Operation, tf.Tensor, tf.Variable))]
+    with tf.control_dependencies(waits):
+        return tf.constant(True)
