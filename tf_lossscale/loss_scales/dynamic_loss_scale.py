@@ -1,67 +1,57 @@
-"""`DynamicLossScale`: the dynamic algorithm (`tf_lossscale.loss_scales.dynamic_rule`)
-held in variables, stepped eagerly, in graphs and under XLA.
+"""`DynamicLossScale`: the dynamic rule held in variables.
 
-Under XLA (`jit_compile=True`), where a step can neither fail nor print, the
-step records what the state check and the policy ask for
-(`tf_lossscale.loss_scales.xla_record`) and the host acts on it with the same errors and
-warnings (`tf_lossscale.loss_scales.xla_checks`): after each call when the policy asks
-for failures or warnings (a watcher is then required), and otherwise at the
-next eager read of the scale or the end of Keras' `fit`.
-
-In detail (the XLA guide):
-
-* with "warn", "raise" or `max_consecutive_skips`, the step can only be
-  traced while a watcher is live: `tf_lossscale.XlaChecks()` or
-  `LossScaleMonitor()` in `fit`'s callbacks, or
-  `tf_lossscale.with_xla_checks` around a custom step or
-  `model.train_on_batch`; otherwise the trace raises a RuntimeError
-  naming these fixes. The watcher acts after each call;
-* otherwise (the default) no watcher is needed. A state the check
-  refuses halts training (every later step changes nothing) and its
-  InvalidArgumentError is raised at the next eager read of the scale
-  (`loss_scale()`, `optimizer.dynamic_scale`), at the end of `fit`
-  (`finalize_variable_values`) or by a watcher, whichever comes first.
-
-Threads: eagerly, each update (`update`, or an optimizer's step updating
-the scale) reads and writes the whole state under a lock, so updates from
-several threads at once are not lost: N threads doing M updates each
-leave the state of N*M updates in a row (in an order no one chooses). It
-costs nothing measurable (`benchmarks/loss_scale_benchmark.py --only=checks`).
-TensorFlow's own `DynamicLossScale` loses such updates. Inside a
-`tf.function`, under XLA and in TF1 graphs nothing is locked: run one
-step at a time on a loss scale there, as with any TensorFlow variables.
-The optimizers' steps are not made thread-safe by this: one optimizer
-serves one training loop.
+The rule is `dynamic_rule`; the state check and the failure policy are
+`failure_policy`. Under XLA, where a step can neither fail nor print, the step
+records what they ask for (`xla_record`) and the host acts on it
+(`xla_checks`). Eagerly, each update holds a lock, so threads sharing one
+loss scale lose no update; graphs are not locked.
 """
+
+import contextlib
+import threading
 
 import tensorflow as tf
 
-from tf_lossscale.ops import replicas
 from tf_lossscale.loss_scales import dynamic_rule
-from tf_lossscale.loss_scales import eager_lock
 from tf_lossscale.loss_scales import failure_policy
 from tf_lossscale.loss_scales import loss_scale
 from tf_lossscale.loss_scales import xla_checks
 from tf_lossscale.loss_scales import xla_record
+from tf_lossscale.ops import replicas
 
 
-def _rule_parameter(name):
-    """A read-only property: the rule's parameter `name`."""
-    return property(lambda self: getattr(self._rule, name),  # pylint: disable=protected-access
-                    doc=f"The `{name}` argument, as checked.")
+class _EagerLock:
+    """A lock that copies as a new one: a copied loss scale has its own state.
+
+    Eagerly an update is several ops that release the GIL, so two threads
+    could read one state and lose an update (TensorFlow's own class does).
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+
+    def __enter__(self):
+        return self._lock.__enter__()
+
+    def __exit__(self, *exc_info):
+        return self._lock.__exit__(*exc_info)
+
+    def __reduce__(self):
+        return (_EagerLock, ())
 
 
-def _argument(name):
-    """A read-only property: the checked constructor argument `name`."""
-    return property(lambda self: getattr(self._arguments, name),  # pylint: disable=protected-access
+def _checked(holder, name):
+    """A read-only property: the checked argument `name`, read from the
+    `DynamicRule` (holder "_rule") or the `DynamicArguments` ("_arguments")."""
+    return property(lambda self: getattr(getattr(self, holder), name),
                     doc=f"The `{name}` argument, as checked.")
 
 
 class DynamicLossScale(loss_scale.LossScale):
     """A loss scale that grows while gradients stay finite and backs off.
 
-    See `tf_lossscale.loss_scales.dynamic_rule` for the exact rule. With the first three
-    arguments only, it is TensorFlow's rule, bit for bit. Create it under
+    The exact rule is in `tf_lossscale.loss_scales.dynamic_rule`; with the
+    first three arguments only, it is TensorFlow's, bit for bit. Create it under
     `strategy.scope()` to share it between replicas; `update` then works in
     cross-replica context and inside `strategy.run` of that strategy, and
     raises ValueError anywhere else. Created outside any scope, it holds
@@ -105,8 +95,6 @@ class DynamicLossScale(loss_scale.LossScale):
         int: when this many steps in a row were non-finite, the step fails
         like "raise", naming the count and the scale.
 
-    Under XLA and with several threads: the module docstring.
-
     Raises:
       TypeError: an argument is a bool where a number is expected, or of the
         wrong type.
@@ -117,7 +105,8 @@ class DynamicLossScale(loss_scale.LossScale):
 
     def __init__(self, initial_loss_scale=2**15, increment_period=2000,
                  multiplier=2.0, *, backoff_factor=None,
-                 min_loss_scale=dynamic_rule.DEFAULT_MIN_LOSS_SCALE, max_loss_scale=None,
+                 min_loss_scale=dynamic_rule.DEFAULT_MIN_LOSS_SCALE,
+                 max_loss_scale=None,
                  hysteresis=1, consecutive_hysteresis=False,
                  on_min_loss_scale="continue", max_consecutive_skips=None):
         arguments = dynamic_rule.checked_arguments(
@@ -130,7 +119,7 @@ class DynamicLossScale(loss_scale.LossScale):
         budget, floor = rule.hysteresis, rule.min_loss_scale
         replicas.check_supported()
         super().__init__()
-        self._eager_lock = eager_lock.EagerLock()
+        self._eager_lock = _EagerLock()
         self._strategy = replicas.strategy_in_use()
         self._arguments = arguments
         self._rule = rule
@@ -148,23 +137,22 @@ class DynamicLossScale(loss_scale.LossScale):
         if policy != "continue" or skip_limit is not None:
             self._consecutive_skips = self._add_state_variable(
                 "consecutive_skips", 0, tf.int64)
-        # Not state: never saved (see tf_lossscale.loss_scales.xla_record).
+        # Not state: never saved.
         self._xla_record = xla_record.StepRecord(
             self._state_variables, floor,
             budget if self._hysteresis_remaining is not None else None,
             policy, skip_limit)
 
-    # The arguments, read back (as given, checked).
-    initial_loss_scale = _argument("initial_loss_scale")
-    increment_period = _rule_parameter("increment_period")
-    multiplier = _rule_parameter("multiplier")
-    backoff_factor = _rule_parameter("backoff_factor")
-    min_loss_scale = _rule_parameter("min_loss_scale")
-    max_loss_scale = _rule_parameter("max_loss_scale")
-    hysteresis = _rule_parameter("hysteresis")
-    consecutive_hysteresis = _rule_parameter("consecutive_hysteresis")
-    on_min_loss_scale = _argument("on_min_loss_scale")
-    max_consecutive_skips = _argument("max_consecutive_skips")
+    initial_loss_scale = _checked("_arguments", "initial_loss_scale")
+    increment_period = _checked("_rule", "increment_period")
+    multiplier = _checked("_rule", "multiplier")
+    backoff_factor = _checked("_rule", "backoff_factor")
+    min_loss_scale = _checked("_rule", "min_loss_scale")
+    max_loss_scale = _checked("_rule", "max_loss_scale")
+    hysteresis = _checked("_rule", "hysteresis")
+    consecutive_hysteresis = _checked("_rule", "consecutive_hysteresis")
+    on_min_loss_scale = _checked("_arguments", "on_min_loss_scale")
+    max_consecutive_skips = _checked("_arguments", "max_consecutive_skips")
 
     @property
     def good_steps(self):
@@ -177,41 +165,36 @@ class DynamicLossScale(loss_scale.LossScale):
 
     def __call__(self):
         """The current scale; eagerly, first raises what XLA steps left to
-        the host (`tf_lossscale.loss_scales.xla_checks.act`: one small read, only once
-        a step has been traced under XLA)."""
+        the host (`xla_checks.act`: syncs, one small read, once a step of
+        this loss scale has been traced under XLA)."""
         xla_checks.act(self)
         return tf.convert_to_tensor(self._current_loss_scale)
 
     def update(self, grads):
-        """`LossScale.update`; in a TF1 graph `should_apply_gradients` comes
-        from `grads` alone and only `update_op` checks and moves the state
-        (module docstring)."""
+        """`LossScale.update`. In a TF1 graph `should_apply_gradients` comes
+        from `grads` alone; only `update_op` checks and moves the state."""
         replicas.check_supported()
         return replicas.call_in_cross_replica_context(
             loss_scale.update_from_grads, self, grads)
 
-    @eager_lock.one_thread_at_a_time
     def _update_from_all_finite(self, all_finite, *, gated=True):
-        """One step from the flag every replica agrees on.
+        """One step from the flag every replica agrees on (cross-replica).
 
-        Called in cross-replica context (or without a strategy). Checks the
-        state, moves it on, then applies the failure policy. Returns
-        `(update_op, should_apply)` as `update` does. Eagerly, one thread at
-        a time (see the class docstring).
-
-        Args:
-          all_finite: scalar bool tensor, the all-replica finiteness flag.
-          gated: keyword-only; matters in graphs only. True (the default,
-            for optimizers): `should_apply` runs only after the state check,
-            the assignments and the policy, so a branch on it cannot apply a
-            step that failed. False (`update` in a TF1 graph): `should_apply`
-            is `all_finite` itself, evaluable without the state variables;
-            `update_op` alone carries the check, assignments and policy.
+        Checks the state, moves it on, then applies the failure policy;
+        returns `(update_op, should_apply)` as `update` does. `gated`
+        (graphs only): True makes `should_apply` wait for the check, the
+        assignments and the policy, so a branch on it cannot apply a step
+        that failed; False (`update` in a TF1 graph) returns `all_finite`
+        itself, evaluable without the state variables.
         """
-        # Here rather than in `update`: an optimizer computes the flag itself
-        # and calls this directly.
-        replicas.check_same_strategy("This DynamicLossScale",
-                                         self._strategy)
+        lock = (self._eager_lock if tf.executing_eagerly()
+                else contextlib.nullcontext())
+        with lock:
+            return self._step(all_finite, gated)
+
+    def _step(self, all_finite, gated):
+        # Here, not in `update`: optimizers compute the flag themselves.
+        replicas.check_same_strategy("This DynamicLossScale", self._strategy)
         all_finite = tf.convert_to_tensor(all_finite)
         state = self._read_state()
         if xla_record.in_xla_context():

@@ -1,48 +1,22 @@
-"""The dynamic algorithm: its parameters, its state and one step of it.
+"""The dynamic rule of `DynamicLossScale`: parameters, state, one step.
 
-The algorithm (`tf_lossscale.DynamicLossScale`). State: the scale S (float32), the
-count of good steps G (int64) and, only when a feature needs them, the
-hysteresis budget H (int64, starts at `hysteresis`) and the count of
-consecutive skipped steps C (int64, starts at 0). Per step, all of it changes
-together:
+State: the scale S (float32), good steps G (int64) and, when a feature needs
+them, the hysteresis budget H and the consecutive skips C (int64). One step:
 
-* finite step: C = 0; if `consecutive_hysteresis`, H = hysteresis.
-  If G + 1 >= increment_period: S = min(S * multiplier, max_loss_scale) when
-  S * multiplier is finite in float32 (otherwise S is unchanged), G = 0 and
-  H = hysteresis. Otherwise G = G + 1.
-* non-finite step (any NaN, +Inf or -Inf; the step must be skipped): G = 0,
-  C = C + 1, H = max(H - 1, 0). If H == 0 a back-off is due:
-  S = max(S * backoff_factor, min_loss_scale), or
-  max(S / multiplier, min_loss_scale) when `backoff_factor` is None. If S was
-  already at the floor (S <= min_loss_scale) when the back-off was due,
-  `on_min_loss_scale` decides: "continue" does nothing more, "warn" prints
-  one line to stderr, "raise" fails the step. Then, if `max_consecutive_skips`
-  is set and C >= max_consecutive_skips, the step fails.
+* finite: C = 0; H = hysteresis if `consecutive_hysteresis`. If G + 1 >=
+  increment_period: S = min(S * multiplier, max_loss_scale) if S * multiplier
+  is finite in float32 (else S stays), G = 0, H = hysteresis; else G += 1.
+* not finite (NaN or +-Inf; the step is skipped): G = 0, C += 1,
+  H = max(H - 1, 0); when H reaches 0 a back-off is due:
+  S = max(S * backoff_factor, min_loss_scale) (or S / multiplier without a
+  `backoff_factor`). A back-off due with S already at the floor goes to
+  `on_min_loss_scale` ("continue", "warn" or "raise"); then the step fails
+  if C >= max_consecutive_skips.
 
-Without H (hysteresis=1) every non-finite step backs off. A failing step has
-already recorded itself in the state (it was skipped); the failure is a
-`tf.errors.InvalidArgumentError`, raised eagerly or by an assertion op in
-graphs. Before any of this, a state that cannot be right (S not finite or
-<= 0, G < 0, H outside [0, hysteresis], C < 0), for instance restored from a
-damaged checkpoint or file or assigned by hand, fails the step with an
-InvalidArgumentError naming every state variable and its value, and no
-variable changes (`tf_lossscale.loss_scales.failure_policy`: the check, the policy and
-their messages).
-
-With its default arguments the rule is TensorFlow's
-`tf.compat.v1.mixed_precision.DynamicLossScale`: arithmetic is float32
-throughout, in the same order, so both give bit-identical scales for every
-sequence of steps; the state is the same two variables under the same
-checkpoint names (`current_loss_scale`, `good_steps`) and `get_config()` the
-same three keys, so checkpoints and configs move freely between them. The
-extra variables are `hysteresis_remaining` and `consecutive_skips`; non-default
-arguments appear in `get_config()`.
-
-Here: the rule's parameters (`DynamicRule`, checked by
-`checked_arguments`), the state as tensors (`DynamicState`) and one step as
-a pure function of them (`next_dynamic_state`), the same code eagerly, in
-graphs and under XLA. The stateful class is
-`tf_lossscale.loss_scales.dynamic_loss_scale`.
+Without H (hysteresis=1) every non-finite step backs off. With its default
+arguments this is TensorFlow's `tf.compat.v1.mixed_precision.
+DynamicLossScale`, float32 arithmetic in the same order: bit-identical scales,
+the same variables and the same three config keys.
 """
 
 from typing import NamedTuple, Optional

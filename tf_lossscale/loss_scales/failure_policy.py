@@ -1,35 +1,20 @@
 """What a `DynamicLossScale` refuses and how it fails: the state check, the
 failure policy, and their messages.
 
-The state check. Before a step moves the state, the state is checked against
-what the rule can reach; a state that fails the check (restored from a
-damaged checkpoint or file, or assigned by hand) refuses the step: nothing
-changes and the step fails with an InvalidArgumentError naming every state
-variable and its value. The bounds:
+The state check runs before a step moves the state: S finite and > 0,
+G >= 0, H in [0, hysteresis], C >= 0 (no upper bound on G or C: training may
+resume with another period or past a skip limit). A state outside them
+(a damaged file, a hand assignment) refuses the step, changes nothing and
+raises InvalidArgumentError naming every state variable and its value. A
+stored value an int64 variable cannot hold exactly (1.5, NaN, 1e30), or of
+the wrong kind or shape, is refused when a file is loaded, before any
+assignment (`check_loadable`).
 
-* `current_loss_scale` (S): finite and > 0;
-* `good_steps` (G): >= 0, no upper bound: TensorFlow's reference accepts
-  G >= increment_period (it grows at the next finite step), and resuming
-  with another `increment_period` is legitimate;
-* `hysteresis_remaining` (H, when tracked): in [0, hysteresis]: the rule
-  never refills it above `hysteresis`;
-* `consecutive_skips` (C, when tracked): >= 0, no upper bound (training may
-  be resumed past `max_consecutive_skips`).
-
-Each count is an int64 variable, so integer-valued wherever it lives; a
-`.keras` value that an int64 variable cannot hold exactly (1.5, NaN, 1e30),
-or a value of the wrong kind or shape, is refused when the file is loaded,
-before any variable is assigned (`check_loadable`). Other out-of-range values
-load, and are refused at the first step, as everywhere else.
-
-The failure policy, after the state has moved: "warn" prints one line to
-stderr, "raise" fails the step, and `max_consecutive_skips` fails it when
-that many steps in a row were non-finite (see `tf_lossscale.loss_scales.dynamic_rule`).
-
-Eagerly these raise or print at once; in graphs they are ops (an assertion,
-a `tf.print`). Under XLA, where neither compiles, the step records what they
-ask for and the host acts on it with the same messages
-(`tf_lossscale.loss_scales.xla_record`, `tf_lossscale.loss_scales.xla_checks`).
+The failure policy runs after the state has moved: "warn" prints one line to
+stderr, "raise" fails the step, `max_consecutive_skips` fails it at that many
+skips in a row. Eagerly they raise or print at once; in graphs they are ops;
+under XLA the step records them and the host acts (`xla_record`,
+`xla_checks`) with the same messages.
 """
 
 import sys

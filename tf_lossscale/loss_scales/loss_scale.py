@@ -1,88 +1,32 @@
-"""Loss scales: the contract every loss scale honours, and a fixed scale.
+"""The `LossScale` contract, and `FixedLossScale`.
 
-Loss scaling multiplies the loss by a factor S before differentiating and
-divides the gradients by S afterwards::
+Loss scaling multiplies the loss by S before differentiating and divides the
+gradients by S after, lifting float16 gradients that would underflow into
+range. A loss scale supplies S and adjusts it from the unscaled gradients:
 
-    loss = compute_loss()
-    scaled_grads = gradients(loss * S, variables)
-    grads = scaled_grads / S
+* calling it returns S as a scalar float32 tensor;
+* `update(grads)` takes a nested structure of unscaled gradients (None
+  ignored) and returns `(update_op, should_apply_gradients)`: eagerly
+  `update_op` is None and the state has changed; in a graph it is an
+  `Operation` that changes the state when run. When `should_apply_gradients`
+  (a bool or a scalar bool tensor) is False, the step must be skipped;
+* `get_config()` / `from_config()` round-trip the parameters; the state lives
+  in variables and travels in checkpoints.
 
-Mathematically nothing changes, but float16 intermediate gradients that would
-underflow to zero are lifted into range. A `LossScale` supplies S and adjusts
-it from the gradients it sees.
-
-The contract every loss scale honours:
-
-* calling it returns the current S as a scalar float32 `tf.Tensor`;
-* `update(grads)` takes the *unscaled* gradients of one step (any nested
-  structure; `None` entries are ignored) and returns
-  `(update_op, should_apply_gradients)`. Eagerly, `update_op` is None and the
-  state has already changed; while building a graph (`tf.function` or a TF1
-  `tf.Graph`) it is an `Operation` that changes the state when run.
-  `should_apply_gradients` is a Python bool or a scalar bool tensor; when it is
-  False the caller must not apply this step's gradients;
-* `get_config()` / `from_config(config)` round-trip the parameters (not the
-  state: state lives in variables and travels in checkpoints).
-
-Under `tf.distribute`, `update` may be called in cross-replica context with
-per-replica gradients, or inside `strategy.run`; either way all replicas and
-workers agree on the result (see `tf_lossscale.ops.replicas`). The built-in
-loss scales split `update` in two: the all-replica finiteness flag, then
-`_update_from_all_finite(all_finite)`, which runs once in cross-replica
-context and holds the whole state transition, so an optimizer that computes
-the flag itself can drive them directly.
-
-What `should_apply_gradients` waits for in graphs:
-
-* in a TF1 graph (a `tf.Graph` run by a `Session`, not a `tf.function` of
-  an eager program), the built-in loss scales' `update` computes it from the
-  gradients alone, as TensorFlow's reference does: evaluating it needs none
-  of the loss scale's variables (not even their initializer) and neither
-  checks nor changes the state. `update_op` carries the state check, the
-  state change and the failure policy; run on a bad state it still fails and
-  changes no variable. A caller that branches on the flag and must not apply
-  a step that fails makes the branch wait for `update_op`
-  (`tf.control_dependencies([update_op])`);
-* inside a `tf.function` of an eager (TF2) program, where every stateful op
-  runs anyway, and from `_update_from_all_finite` (what `LossScaleOptimizer`
-  calls) in any graph, it is gated: it runs only after the state check, the
-  assignments and the failure policy, so a branch on it cannot apply a step
-  that failed.
-
-The dynamic algorithm is stated in `tf_lossscale.loss_scales.dynamic_rule`, and
-`DynamicLossScale` is in `tf_lossscale.loss_scales.dynamic_loss_scale`;
-`from tf_lossscale.loss_scales.loss_scale import DynamicLossScale` still works (as do
-`DynamicRule`, `DynamicState`, `next_dynamic_state`, `POLICIES` and
-`WARNING_PREFIX`), but `tf_lossscale.DynamicLossScale` is the public name.
+Under `tf.distribute`, `update` works in cross-replica context and inside
+`strategy.run`, and every replica on every worker gets the same answer.
 """
 
 import abc
-import importlib
+import weakref
 
+import numpy as np
 import tensorflow as tf
 
-from tf_lossscale.ops import replicas
-from tf_lossscale.loss_scales import failure_policy
-from tf_lossscale._internal import private_api
-from tf_lossscale.loss_scales import scale_reading
 from tf_lossscale._internal import checks
-
-# Moved in 0.4.0; still importable from here (`__getattr__`, imported on
-# first use: those modules import this one).
-_MOVED = {
-    "DynamicLossScale": "tf_lossscale.loss_scales.dynamic_loss_scale",
-    "DynamicRule": "tf_lossscale.loss_scales.dynamic_rule",
-    "DynamicState": "tf_lossscale.loss_scales.dynamic_rule",
-    "next_dynamic_state": "tf_lossscale.loss_scales.dynamic_rule",
-    "POLICIES": "tf_lossscale.loss_scales.failure_policy",
-    "WARNING_PREFIX": "tf_lossscale.loss_scales.failure_policy",
-}
-
-
-def __getattr__(name):
-    if name in _MOVED:
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+from tf_lossscale._internal import private_api
+from tf_lossscale.loss_scales import failure_policy
+from tf_lossscale.ops import replicas
 
 
 def graph_op(op):
@@ -91,13 +35,12 @@ def graph_op(op):
 
 
 def update_from_grads(loss_scale, grads):
-    """Cross-replica context: the shared finiteness flag drives the update.
+    """`update` of a built-in loss scale, in cross-replica context.
 
-    In a TF1 graph, `should_apply` is not gated (module docstring): there the
-    caller picks what a `Session` runs, and evaluating the flag must not need
-    the state variables, as with TensorFlow's reference. Inside a
-    `tf.function` every stateful op runs anyway, so gating costs nothing and
-    keeps a branch on the flag from running on a step that fails.
+    In a TF1 graph `should_apply` is the bare flag, evaluable without the
+    state variables, as with TensorFlow's reference; inside a `tf.function`
+    it waits for the state check and the update, so a branch on it cannot
+    apply a step that failed.
     """
     # pylint: disable=protected-access
     return loss_scale._update_from_all_finite(
@@ -105,17 +48,19 @@ def update_from_grads(loss_scale, grads):
         gated=tf.compat.v1.executing_eagerly_outside_functions())
 
 
-class LossScale(scale_reading.ReadsAsTensor, private_api.Trackable,
+class LossScale(private_api.TensorLike, private_api.Trackable,
                 metaclass=abc.ABCMeta):
-    """Abstract base of loss scales; see the module docstring for the contract.
+    """Abstract base of loss scales; the module docstring states the contract.
 
     A loss scale also reads as its current value wherever a scalar float32
-    tensor would (`float(scale)`, `tf.convert_to_tensor(scale)`,
-    `tf.keras.backend.get_value(scale)`): see `tf_lossscale.loss_scales.scale_reading`.
-
-    Subclasses create their state variables in `__init__` with
-    `_add_state_variable`, which also names them for checkpoints.
+    tensor would: `float(scale)`, `np.asarray(scale)`, TensorFlow ops and
+    `tf.convert_to_tensor`, `tf.keras.backend.get_value`, and
+    `session.run(scale)` in a TF1 graph. Each reading is the value at that
+    moment. Subclasses create their state with `_add_state_variable`.
     """
+
+    dtype = tf.float32
+    shape = tf.TensorShape([])
 
     def __init__(self):
         self._state_variables = {}
@@ -133,10 +78,7 @@ class LossScale(scale_reading.ReadsAsTensor, private_api.Trackable,
             `tf.IndexedSlices` or `None`, which is ignored).
 
         Returns:
-          `(update_op, should_apply_gradients)`: `update_op` is None eagerly
-          and an `Operation` in graph code; `should_apply_gradients` is a
-          Python bool or scalar bool tensor, False if this step's gradients
-          must not be applied.
+          `(update_op, should_apply_gradients)`, as the module docstring says.
         """
 
     @abc.abstractmethod
@@ -154,52 +96,79 @@ class LossScale(scale_reading.ReadsAsTensor, private_api.Trackable,
         return tuple(self._state_variables.values())
 
     def check_loadable(self, values):
-        """Raises, before anything is assigned, unless each of `values` can
-        be assigned exactly to its variable: the shape, a number, and for
-        counters a whole number an int64 holds
-        (`tf_lossscale.loss_scales.failure_policy.check_loadable`). Whether the state
-        is one the rule can reach is checked at the next step.
-
-        Args:
-          values: one per variable of `variables`, in order, as a file
-            stored them; None for one the file does not hold.
+        """Raises, before anything is assigned, unless each of `values` (one
+        per variable, None for one a file lacks) can be assigned exactly.
 
         Raises:
           TypeError, ValueError: naming the variable and the value.
         """
+        # A subclass of users' may keep its variables its own way.
         names = {id(v): name for name, v in
                  getattr(self, "_state_variables", {}).items()}
         failure_policy.check_loadable(
             [((names.get(id(v), v.name), v), value)
-             for v, value in zip(self.variables, values)
-             if value is not None])
+             for v, value in zip(self.variables, values) if value is not None])
 
     def _add_state_variable(self, name, initial_value, dtype):
         variable = tf.Variable(
-            initial_value,
-            name=name,
-            dtype=dtype,
-            trainable=False,
+            initial_value, name=name, dtype=dtype, trainable=False,
             synchronization=tf.VariableSynchronization.AUTO,
-            # The state is set once per step from a value every replica
-            # agrees on; summing or averaging it across replicas is wrong.
-            aggregation=tf.VariableAggregation.NONE,
-        )
+            # Set once per step from a value all replicas agree on: summing
+            # or averaging it across replicas would be wrong.
+            aggregation=tf.VariableAggregation.NONE)
         self._state_variables[name] = variable
         private_api.track(self, variable, name)
         return variable
+
+    # Reading as a tensor.
+
+    def numpy(self):
+        """The current scale as a numpy float32 scalar (eagerly; syncs)."""
+        return self().numpy()
+
+    def __float__(self):
+        return float(self.numpy())
+
+    def __array__(self, dtype=None, copy=None):
+        del copy  # A new array every time.
+        return np.asarray(self.numpy(), dtype=dtype)
+
+    def _graph_read(self):
+        # One read op per graph: a TF1 loop fetching the scale every step
+        # must not grow its graph.
+        reads = self.__dict__.setdefault("_graph_reads",
+                                         weakref.WeakKeyDictionary())
+        graph = tf.compat.v1.get_default_graph()
+        if graph not in reads:
+            reads[graph] = self()
+        return reads[graph]
+
+
+def _to_tensor(value, dtype=None, name=None, as_ref=False):
+    """`tf.convert_to_tensor(loss_scale)`: its current value. Another dtype
+    is refused as for a float32 tensor (`tf.cast` converts)."""
+    del as_ref
+    if dtype is not None and not tf.as_dtype(dtype).is_compatible_with(
+            tf.float32):
+        raise ValueError(
+            f"Tensor conversion requested dtype {tf.as_dtype(dtype).name} for "
+            f"{value!r}, whose value is float32; use tf.cast(loss_scale, "
+            f"{tf.as_dtype(dtype).name})")
+    return tf.identity(value(), name=name) if name else value()
+
+
+tf.register_tensor_conversion_function(LossScale, _to_tensor)
 
 
 class FixedLossScale(LossScale):
     """A loss scale that never changes.
 
-    By default, as in TensorFlow, `update` never asks to skip a step: every
-    step's gradients are applied, non-finite ones included, and no finiteness
-    check is computed at all. With `skip_non_finite=True` a step whose
-    gradients are not all finite (on any replica) is skipped, still without
-    ever changing the scale: the check-only mode for `mixed_bfloat16`, whose
-    range needs no scaling but whose weights a NaN batch would still ruin
-    (`FixedLossScale(1, skip_non_finite=True)`).
+    By default, as in TensorFlow, `update` never asks to skip a step and
+    computes no finiteness check at all. With `skip_non_finite=True` a step
+    whose gradients are not all finite (on any replica) is skipped, still
+    without changing the scale: for `mixed_bfloat16`, whose range needs no
+    scaling but whose weights a NaN batch would still ruin,
+    `FixedLossScale(1, skip_non_finite=True)`.
 
     Args:
       loss_scale_value: a Python int or float >= 1 that fits in float32.
@@ -216,8 +185,8 @@ class FixedLossScale(LossScale):
             "loss_scale_value", loss_scale_value, at_least=1)
         skip = checks.boolean("skip_non_finite", skip_non_finite)
         super().__init__()
-        # A Python float, not a tensor: a tensor made here could end up on
-        # another device or in another graph than where it is used.
+        # A Python float, not a tensor, which could end up on another device
+        # or in another graph than where it is used.
         self._loss_scale_value = value
         self._skip_non_finite = skip
 
@@ -245,11 +214,8 @@ class FixedLossScale(LossScale):
             update_from_grads, self, grads)
 
     def _update_from_all_finite(self, all_finite, *, gated=True):
-        """`update` given the all-replica finiteness flag (cross-replica).
-
-        `gated` is accepted for the same call as `DynamicLossScale`'s; a
-        fixed scale has no state, so `should_apply` never waits for anything.
-        """
+        """`update` given the all-replica finiteness flag (cross-replica);
+        stateless, so `gated` changes nothing."""
         del gated
         if not self._skip_non_finite:
             return graph_op(tf.no_op()), True

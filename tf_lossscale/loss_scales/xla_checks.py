@@ -1,30 +1,12 @@
 """The host side of the XLA checks: acting on what compiled steps recorded.
 
-Under XLA a `DynamicLossScale` records what its state check and failure
-policy ask for (`tf_lossscale.loss_scales.xla_record`); here the host reads that record
-and raises or warns with the same `InvalidArgumentError` or stderr line as
-without XLA, then clears it.
-
-When the host acts (each time: one small device-to-host read of the record,
-and none at all for a loss scale no XLA step of which has been traced):
-
-* watchers, after each call: `with_xla_checks(step, optimizer)` after each
-  call of the step; the `XlaChecks` callback at each batch end; the
-  `LossScaleMonitor` at each batch end, where it reads the scale;
-* the end of Keras' `fit` (Keras 3, and tf-keras with a non-legacy
-  optimizer): `LossScaleOptimizer.finalize_variable_values`;
-* every eager read of the scale: `loss_scale()`, `optimizer.dynamic_scale`.
-
-Watches. A loss scale whose policy asks for failures or warnings ("warn",
-"raise", `max_consecutive_skips`) can only be traced under XLA while a
-`Watch` of it is live, so that a watcher will act after each call; else the
-trace raises a RuntimeError naming the fixes, before the first step. A
-loss scale that asks for none (the default) needs no watch: its state check
-still refuses a bad state on the device, and the refusal is raised at the
-next of the moments above.
-
-Nothing here knows Keras: the callbacks (`tf_lossscale.monitor`) say when
-their watch is live and make Keras trace the step again when it ends.
+`act(target)` reads a loss scale's record (`xla_record`) and raises or warns
+as the step would have without XLA, then clears it. It runs after each call
+of a watched step (`with_xla_checks`, the `XlaChecks` and `LossScaleMonitor`
+callbacks), at the end of Keras' `fit` (`finalize_variable_values`) and at
+every eager read of the scale; each time it syncs one small read, and none
+for a loss scale no XLA step of which has been traced. A `Watch` lets XLA
+steps of a loss scale that asks for failures or warnings be traced.
 """
 
 import functools

@@ -1,36 +1,18 @@
 """The device side of the XLA checks: what a compiled step records.
 
-Inside an XLA-compiled step (`tf.function(jit_compile=True)`, and Keras'
-`fit` with `jit_compile`, its default on GPUs) nothing can fail or print:
-XLA drops assertion ops and cannot compile string formatting. So there a
-`DynamicLossScale` writes what its state check and failure policy ask for
-into a small int64 variable of its own, the record, and host-side code
-(`tf_lossscale.loss_scales.xla_checks`) acts on it later with the same error or warning
-as without XLA.
-
-The record is made with the loss scale's state, eagerly in TF2 programs
-(a `tf.function` may only create variables on its first call, and the step
-may be traced long after the loss scale was made), never in TF1 graphs
-(where XLA steps are not supported). It is not state: not in
-`LossScale.variables`, not a checkpoint dependency, never saved.
-
-What a step does under XLA:
-
-* a state that fails the state check refuses the step: nothing changes, and
-  the record keeps the state's values for the message;
-* "raise" and `max_consecutive_skips`: the failing step is recorded in the
-  scale's state as without XLA, and in the record;
-* "warn": the record counts the warnings and keeps the last one's values.
+Under XLA nothing can fail or print (assertions are dropped, string
+formatting does not compile), so a `DynamicLossScale` writes what its state
+check and failure policy ask for into a small int64 variable, the record,
+and the host (`xla_checks`) acts on it later with the same error or warning.
+The record is made eagerly with the loss scale's state (never in TF1
+graphs) and is not state: never saved, not in `variables`.
 
 Once a step has failed or was refused, every later step changes nothing
-either (no weight, slot, scale or counter; `halted`) until the host has acted
-on the record and cleared it, so the weights are those of the last applied
-step whenever the error is raised.
-
-A loss scale whose policy asks for failures or warnings (`needs_host`) may
-only be traced under XLA while a watch is live: otherwise nothing would act
-on the record, and the trace raises a RuntimeError naming the fixes. The
-watches are registered here by the host side; this module only asks them.
+(`halted`) until the host has acted and cleared the record, so the weights
+are those of the last applied step when the error is raised. A loss scale
+whose policy asks for failures or warnings may only be traced under XLA
+while a watch (registered by the host side) is live; otherwise the trace
+raises a RuntimeError naming the fixes.
 """
 
 import threading

@@ -1,29 +1,13 @@
 """Agreement across replicas and workers under `tf.distribute`.
 
-Under a distribution strategy every replica computes gradients on its own part
-of the batch, so a NaN or Inf may appear on one replica only. Loss scaling is
-only correct if every replica, on every worker, reaches the same decision:
-
-* each replica reduces its own gradients to one all-finite flag;
-* the flags are combined with **one** reduction of **one** float32 scalar per
-  step (cast to float, as booleans cannot be reduced), summed over all
-  replicas in sync, and compared with the number of replicas;
-* the loss scale is updated once, in cross-replica context, from that shared
-  answer, so mirrored copies never diverge.
-
-Contexts:
-
-* cross-replica context (under `strategy.scope()`, outside `strategy.run`):
-  gradients are usually `PerReplica` values; the reduction happens directly.
-* replica context (inside `strategy.run`, or `model.fit`'s train step): the
-  cross-replica context is reached with `merge_call`, and every replica gets
-  the same result back.
-* no strategy (the default strategy): the local flag is the answer.
-
-Parameter-server and central-storage strategies are rejected: they keep
-variables on parameter devices instead of mirroring them on every replica,
-and parameter-server workers apply their updates asynchronously, so there is
-no single step on which all replicas could agree.
+A NaN may appear on one replica only, so every replica on every worker must
+reach the same skip decision before any branch that holds a collective:
+each replica reduces its gradients to one all-finite flag, the flags are
+summed with one all-reduce of one float32 scalar and compared with the
+number of replicas, and the loss scale is updated once, in cross-replica
+context (reached from a replica context with `merge_call`). Parameter-server
+and central-storage strategies are refused: their variables are not
+mirrored, and parameter-server workers apply updates asynchronously.
 """
 
 import tensorflow as tf

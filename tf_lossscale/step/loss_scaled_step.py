@@ -1,33 +1,18 @@
 """One loss-scaled optimizer step, the same for every optimizer wrapper.
 
-The Keras 3 wrapper, the tf-keras wrapper and the TF1 optimizer wrapper are
-adapters: each knows its framework (base class, attributes, saving) and hands
-one step's gradients to `apply_or_skip`, which does the rest the same way for
-all of them:
-
-1. one finiteness flag, agreed by every replica on every worker with one
-   scalar all-reduce (`tf_lossscale.ops.replicas`), before any branch that
-   holds a collective, so all replicas apply or all skip together;
-2. the loss scale's update from that flag (a user-defined `LossScale` gets
-   its public `update(grads)` instead);
-3. apply: the adapter's inner apply runs in every replica; or skip: a
-   `SkipRecord` counts the step and records which variables' gradients were
-   not finite (worked out only on skipped steps; applied steps pay only the
-   executor's small cost per op of a branch not taken, kept low by reading
-   the flags through the unscale's packs).
-
-The unscale, the check and the agreement are the fields of a `StepParts`,
-`FULL_STEP` for every wrapper, so that each can be replaced on its own (the
-benchmark measures each part's cost that way).
-
-`unscale_for_apply` is step 0 for adapters whose caller hands over scaled
-gradients. Variables that take their gradient as their new value (Keras'
-float8 scales and amax histories, `overwrite_with_gradient`) get it as
-computed, as Keras' own wrapper does; they are still checked.
-
-Under XLA a loss scale's failed or refused step halts every later one
-(nothing applied, nothing counted as skipped) until the host has acted on
-its record: `tf_lossscale.loss_scales.xla_record`, `tf_lossscale.loss_scales.xla_checks`.
+The Keras 3, tf-keras and TF1 wrappers are adapters: each hands one step's
+gradients to `apply_or_skip`, which
+1. agrees on one finiteness flag across every replica and worker with one
+   scalar all-reduce, before any branch that holds a collective;
+2. updates the loss scale from it (a user's `LossScale` gets `update`);
+3. applies in every replica, or skips: a `SkipRecord` counts the step and
+   records which variables' gradients were not finite (worked out on skipped
+   steps only).
+The unscale, the check and the agreement are the fields of a `StepParts`, so
+the benchmark can replace each. Variables that take their gradient as their
+value (Keras' float8 `overwrite_with_gradient`) get it as computed, as Keras'
+own wrapper does. Under XLA a failed or refused step halts every later one
+until the host has acted (`loss_scales.xla_checks`).
 """
 
 import contextlib
@@ -35,17 +20,12 @@ from typing import Callable, NamedTuple
 
 import tensorflow as tf
 
-from tf_lossscale.ops import replicas
-from tf_lossscale.ops import finiteness
 from tf_lossscale._internal import step_arguments
-from tf_lossscale.ops import unscaling
 from tf_lossscale.loss_scales import xla_record
-
-
-def takes_gradient_as_value(variable):
-    """Whether `variable` is overwritten by its gradient (Keras float8)."""
-    return bool(getattr(variable, "overwrite_with_gradient", False))
-
+from tf_lossscale.ops import finiteness
+from tf_lossscale.ops import float16
+from tf_lossscale.ops import replicas
+from tf_lossscale.ops import unscaling
 
 def scale_loss(loss, loss_scale):
     """`loss * loss_scale()` in the loss's dtype; for a callable `loss`, a
@@ -61,16 +41,13 @@ def unscale_for_apply(grads, variables, scale):
     """`grads / scale`, except for variables that take their gradient as
     their value; `None` and `tf.IndexedSlices` entries keep their form."""
     return unscaling.unscale(
-        grads, scale, keep=[takes_gradient_as_value(v) for v in variables])
+        grads, scale,
+        keep=[float16.takes_gradient_as_value(v) for v in variables])
 
 
 class StepParts(NamedTuple):
-    """The parts of a step that are plain functions, so that each can be
-    replaced on its own.
-
-    Every wrapper runs `FULL_STEP`. The benchmark's ablations
-    (`benchmarks/lsbench/ablations.py`) replace one part at a time to
-    measure what it costs, on the step users run.
+    """The parts of a step that are plain functions: every wrapper runs
+    `FULL_STEP`; the benchmark's ablations replace one part at a time.
 
     Attributes:
       unscale: `unscale(grads, variables, scale)`, step 0 for adapters whose
