@@ -52,8 +52,10 @@ setuptools.setup(
     python_requires=">=3.9",
     # The top-level configs/ folder ships inside the package as
     # tf_lossscale.configs, so the demo finds its defaults after any install.
-    packages=setuptools.find_packages(include=["tf_lossscale", "tf_lossscale.*"])
-    + ["tf_lossscale.configs"],
+    packages=["tf_lossscale", "tf_lossscale.configs"] + [
+        "tf_lossscale." + folder.name
+        for folder in sorted((_ROOT / "tf_lossscale").iterdir())
+        if (folder / "__init__.py").is_file()],
     package_dir={"tf_lossscale.configs": "configs"},
     package_data={"tf_lossscale.configs": ["*.json"]},
     # No TensorFlow here, and no upper bound on Keras: see the docstring
