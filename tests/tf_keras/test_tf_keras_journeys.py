@@ -72,4 +72,4 @@ def test_import_tf_lossscale_does_not_import_tf_keras():
         ["-c", code], TF_USE_LEGACY_KERAS="0")
     assert imported is False
     assert optimizer_module == "tf_lossscale.keras3.loss_scale_optimizer"
-    assert monitor_module == "tf_lossscale.monitor"
+    assert monitor_module == "tf_lossscale.monitor.callback"
