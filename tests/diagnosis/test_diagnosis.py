@@ -188,14 +188,14 @@ def test_advised_top_is_where_the_float16_backward_pass_overflows(
 
 
 def test_on_the_demo_the_advised_range_holds_the_scale_the_rule_settles_at():
-    config = demo.validate_config(demo.default_config())
+    config = demo.Config()
     features, labels = demo.synthetic_data(config)
     model = demo.build_model(config)
-    inner = keras.optimizers.get(config["optimizer"]["class_name"])
-    inner.learning_rate = config["learning_rate"]
+    inner = keras.optimizers.get(config.optimizer["class_name"])
+    inner.learning_rate = config.learning_rate
     model.compile(
         optimizer=tf_lossscale.LossScaleOptimizer(
-            inner, loss_scale=tf_lossscale.get(config["loss_scale"])),
+            inner, loss_scale=tf_lossscale.get(config.loss_scale)),
         loss="sparse_categorical_crossentropy")
     scales = []
 
@@ -203,8 +203,8 @@ def test_on_the_demo_the_advised_range_holds_the_scale_the_rule_settles_at():
         def on_train_batch_end(self, batch, logs=None):
             scales.append(logs["loss_scale"])
 
-    steps = config["steps"]
-    model.fit(demo.training_dataset(features, labels, config["batch_size"],
+    steps = config.steps
+    model.fit(demo.training_dataset(features, labels, config.batch_size,
                                     steps),
               epochs=1, steps_per_epoch=steps, verbose=0,
               callbacks=[tf_lossscale.LossScaleMonitor(), Scales()])
@@ -214,7 +214,7 @@ def test_on_the_demo_the_advised_range_holds_the_scale_the_rule_settles_at():
     assert tried == 2 * settled
 
     report = tf_lossscale.diagnose(model, demo.training_dataset(
-        features, labels, config["batch_size"], 8))
+        features, labels, config.batch_size, 8))
 
     low, high = report.loss_scale_range
     assert low <= settled <= high <= tried

@@ -16,7 +16,6 @@ import pytest
 import tensorflow as tf
 
 import tf_lossscale
-from tf_lossscale.monitor import keras_compat
 from tf_lossscale.monitor import callback as monitor
 
 from tests.support import data  # pylint: disable=g-bad-import-order
@@ -26,6 +25,7 @@ from tests.support import strategies  # pylint: disable=g-bad-import-order
 pytestmark = pytest.mark.usefixtures("keras_isolation")
 
 _INITIAL_SCALE = 2.0**30
+_KERAS_SERIES = tuple(int(part) for part in keras.__version__.split(".")[:2])
 _BATCH_SIZE = 8
 _STEPS_PER_EPOCH = 8
 _EPOCHS = 3
@@ -111,8 +111,8 @@ def test_every_batch_end_logs_the_current_scale_and_count(fit_run):
     spe = fit_run["steps_per_execution"]
 
     # One batch end per execution of steps_per_execution steps, named by its
-    # last step (by its first before Keras 3.11: see keras_compat).
-    named = spe - 1 if keras_compat.KERAS_SERIES >= (3, 11) else 0
+    # last step (by its first before Keras 3.11).
+    named = spe - 1 if _KERAS_SERIES >= (3, 11) else 0
     assert [batch for batch, _ in batch_logs] == list(
         range(named, _STEPS_PER_EPOCH, spe)) * _EPOCHS
     for _, logs in batch_logs:

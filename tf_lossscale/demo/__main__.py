@@ -1,9 +1,7 @@
 """`python -m tf_lossscale.demo`: the demo's command line.
 
-The flags are the options of `training.run` (`config.OPTIONS`) plus
-`--config`, a path to a JSON config. They are registered when the command
-runs, not when the demo package is imported, so importing it leaves absl's
-global flags alone.
+The flags are registered when the command runs, not when the demo package is
+imported, so importing it leaves absl's global flags alone.
 """
 
 import sys
@@ -15,17 +13,34 @@ from absl import logging
 from tf_lossscale.demo import config as config_lib
 from tf_lossscale.demo import training
 
-_DEFINE = {"integer": flags.DEFINE_integer, "string": flags.DEFINE_string,
-           "bool": flags.DEFINE_bool}
 
-
-def _define_flags():
+def define_flags(values=flags.FLAGS):
+    """Registers the demo's flags in `values` (absl's `FlagValues`)."""
     flags.DEFINE_string(
-        "config", None, "Path to a JSON training config; keys it leaves out "
-        "take their defaults (configs/demo.json lists them).")
-    for name, option in config_lib.OPTIONS.items():
-        _DEFINE[option.flag_type](name, option.field.default,
-                                  option.field.kind)
+        "config", None, "path to a JSON training config; keys it leaves out "
+        "take their defaults (configs/demo.json lists them)",
+        flag_values=values)
+    flags.DEFINE_integer(
+        "steps", None, "optimizer steps to train, applied or skipped; "
+        "default: the config's", lower_bound=1, flag_values=values)
+    flags.DEFINE_integer(
+        "num_devices", 1, "replicas of a MirroredStrategy over logical CPU "
+        "devices; 1: no strategy", lower_bound=1, flag_values=values)
+    flags.DEFINE_integer(
+        "inject_nonfinite_every", 0, "put a NaN into every N-th batch, in the "
+        "last replica's part; 0: never", lower_bound=0, flag_values=values)
+    flags.DEFINE_string(
+        "logdir", None, "where to write TensorBoard event files; needs the "
+        "tensorboard extra", flag_values=values)
+    flags.DEFINE_string(
+        "plot", None, "where to write a PNG plot of the loss scale; needs the "
+        "plot extra", flag_values=values)
+    flags.register_validator(
+        "plot", lambda path: path is None or path.lower().endswith(".png"),
+        "must be a path ending in .png", flag_values=values)
+    flags.DEFINE_bool(
+        "log_skips", False, "print skipped steps as they happen, rate-limited, "
+        "with the variables whose gradients overflowed", flag_values=values)
 
 
 def _run(argv):
@@ -37,9 +52,14 @@ def _run(argv):
         # bury the progress bar.
         logging.set_verbosity(logging.WARNING)
     try:
+        # Before the config builds its loss scale and optimizer.
+        training.configure_devices(values.num_devices)
         result = training.run(
-            config_lib.load_config(values.config),
-            **{name: values[name].value for name in config_lib.OPTIONS})
+            config_lib.Config.load(values.config), steps=values.steps,
+            num_devices=values.num_devices,
+            inject_nonfinite_every=values.inject_nonfinite_every,
+            logdir=values.logdir, plot=values.plot,
+            log_skips=values.log_skips)
     except (config_lib.ConfigError, training.MissingExtraError) as err:
         sys.exit(f"error: {err}")
     if values.plot:
@@ -50,11 +70,6 @@ def _run(argv):
     print(result.summary())
 
 
-def main():
-    """Registers the flags, parses the command line and runs the demo."""
-    _define_flags()
-    app.run(_run)
-
-
 if __name__ == "__main__":
-    main()
+    define_flags()
+    app.run(_run)

@@ -1,8 +1,4 @@
-"""The demo's plot: the loss scale over the steps, skipped steps marked.
-
-Needs matplotlib (the "plot" extra); `training.require_extra("--plot")` says
-what to install when it is missing.
-"""
+"""The demo's plot: the loss scale over the steps, skipped steps marked."""
 
 import pathlib
 
@@ -10,10 +6,8 @@ import numpy as np
 
 
 def plot_loss_scale(result, path):
-    """Writes a PNG of the loss scale over the steps, skipped steps marked.
-
-    Needs matplotlib (the "plot" extra); uses its Agg backend, not pyplot.
-    """
+    """Writes a PNG of `result`'s loss scale over the steps to `path`, with
+    matplotlib's Agg backend (not pyplot): the "plot" extra."""
     # pylint: disable=g-import-not-at-top
     from matplotlib.backends import backend_agg
     from matplotlib import figure

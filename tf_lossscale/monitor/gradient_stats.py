@@ -1,22 +1,9 @@
-"""Opt-in per-step gradient statistics, recorded by the step itself.
-
-`LossScaleMonitor(gradient_stats=True)` attaches a `StepGradientStats` to
-the optimizer; while it is attached, every step traced from then on writes,
-in the step (skipped steps included), for the watched variables' gradients
-on all replicas and workers together:
-
-* the number of gradient values that were zero or subnormal in float16 at
-  the step's loss scale, and of all values;
-* the largest gradient magnitude at that scale (+inf if one was NaN/Inf).
-
-The host reads them with one small device read (`read`). A step traced
-while nothing is attached contains none of this (`apply_or_skip` gets
-`stats=None`), so the option costs nothing when off; a step traced before
-`attach` does not record either, which is why the monitor re-makes the
-model's train function when it attaches and detaches.
-
-The values are not state: the variable is not a checkpoint dependency, not
-in the optimizer's `variables`, and is dropped on `detach`.
+"""Per-step gradient statistics that `LossScaleMonitor(gradient_stats=True)`
+attaches to the optimizer: each step traced while they are attached records
+(skipped steps included, over all replicas) how many of the watched gradient
+values were zero or subnormal in float16 at its loss scale, of how many, and
+their largest magnitude. A step traced while nothing is attached holds none
+of it. The variable holding them is not state (not saved, not tracked).
 """
 
 import contextlib
@@ -29,15 +16,9 @@ from tf_lossscale.ops import float16
 
 
 class StepGradientStats:
-    """The per-step statistics of one optimizer's steps.
-
-    Args:
-      watched: the variables whose gradients count (the monitor passes those
-        of the layers computing in float16).
-      strategy: the `tf.distribute` strategy the model's variables belong
-        to (a model's `distribute_strategy`; the default one without a
-        strategy), or None.
-    """
+    """The per-step statistics of one optimizer's steps, over the gradients
+    of `watched` variables (the monitor's: those of the float16 layers),
+    kept in a variable of `strategy` (a model's `distribute_strategy`)."""
 
     def __init__(self, watched, strategy=None):
         self._watched = {id(variable) for variable in watched}
@@ -51,20 +32,17 @@ class StepGradientStats:
                 trainable=False, aggregation=tf.VariableAggregation.NONE)
 
     def selection(self, variables):
-        """The stats for a step over `variables` (in the order of its
-        gradients): a `_Selection`, which the step core writes."""
+        """What the step core writes for a step over `variables` (in the
+        order of its gradients)."""
         return _Selection(self, [id(v) in self._watched for v in variables])
 
     def read(self):
         """Host side (one device read): `(underflow_share, headroom_log2)`
-        of the last step recorded.
-
-        `underflow_share`: the share of the watched gradient values that were
-        zero or subnormal in float16 at the step's loss scale (0.0 before
-        any step, or with nothing watched). `headroom_log2`:
-        log2(65504 / the largest of them), the number of times the scale
-        could double before that value overflows float16; -inf on a step
-        whose gradients held NaN or Inf, +inf when all were 0.
+        of the last step recorded: the share of the watched values that were
+        zero or subnormal in float16 (0.0 before any step, or with nothing
+        watched), and log2(65504 / the largest), the doublings of the scale
+        left before it overflows float16 (-inf after NaN/Inf, +inf when all
+        were 0).
         """
         tiny, count, largest = (float(v) for v in self.values.numpy())
         share = tiny / count if count else 0.0
@@ -83,15 +61,9 @@ class _Selection:
         self._mask = mask
 
     def write(self, grads, loss_scale):
-        """Cross-replica context: records the step's stats; returns the
-        assignment op.
-
-        Args:
-          grads: the step's unscaled gradients, a list (per-replica values
-            under a strategy) in the order the selection was made for.
-          loss_scale: the step's `LossScale`, called here, before its update,
-            for the scale the step ran with.
-        """
+        """Cross-replica context: records the stats of the step's unscaled
+        `grads` (per-replica values under a strategy) at the scale it ran
+        with (`loss_scale()`, before its update); returns the assign op."""
         with tf.name_scope("gradient_stats"):
             scale = loss_scale()
 
@@ -100,21 +72,16 @@ class _Selection:
                           if keep]
                 return float16.scaled_gradient_stats(chosen, scale)
 
-            return self._stats.values.assign(_combined(local, grads))
-
-
-def _combined(local, grads):
-    """`local(grads)` of every replica on every worker, combined: counts
-    summed, largest magnitudes maxed (one all-gather of 3 floats a replica).
-    """
-    strategy = replicas.strategy_in_use()
-    if strategy is None:
-        return local(grads)
-    per_replica = replicas.call_for_each_replica(
-        lambda g: local(g)[None], grads)
-    gathered = strategy.gather(per_replica, axis=0)
-    return tf.concat([tf.reduce_sum(gathered[:, :2], axis=0),
-                      tf.reduce_max(gathered[:, 2:], axis=0)], axis=0)
+            strategy = replicas.strategy_in_use()
+            if strategy is None:
+                return self._stats.values.assign(local(grads))
+            # Every replica's on every worker: counts summed, largest
+            # magnitudes maxed (one all-gather of 3 floats a replica).
+            gathered = strategy.gather(replicas.call_for_each_replica(
+                lambda g: local(g)[None], grads), axis=0)
+            return self._stats.values.assign(tf.concat(
+                [tf.reduce_sum(gathered[:, :2], axis=0),
+                 tf.reduce_max(gathered[:, 2:], axis=0)], axis=0))
 
 
 def attach(optimizer, watched, strategy=None):

@@ -1,11 +1,8 @@
-"""`XlaChecks`: the Keras callback that carries out, after each batch, what
-an XLA-compiled step cannot (`tf_lossscale.loss_scales.xla_checks`), and the watch over
-one `fit` it shares with `LossScaleMonitor` (`tf_lossscale.monitor`).
+"""`XlaChecks`, the Keras callback that carries out after each batch what an
+XLA-compiled step cannot, and what it shares with `LossScaleMonitor`: the
+optimizer check, the watch over one `fit`, and the tf-keras twin of each.
 
-tf-keras (Keras 2) models need a tf-keras callback: with
-`TF_USE_LEGACY_KERAS=1` `XlaChecks()` is one; with `tf_keras` imported
-directly, use `XlaChecks.for_tf_keras()`. Those classes are created on
-first use, so Keras 3 users never import tf_keras.
+How long a watch lasts and what it costs: docs/guides/xla.md.
 """
 
 import contextlib
@@ -13,9 +10,9 @@ import functools
 
 import keras
 
-from tf_lossscale.step import optimizer_protocol
 from tf_lossscale._internal import checks
 from tf_lossscale.loss_scales import xla_checks
+from tf_lossscale.step import optimizer_protocol
 
 
 def check_optimizer(optimizer):
@@ -38,111 +35,104 @@ def check_optimizer(optimizer):
         f"{kind.__module__}.{kind.__qualname__}{hint}")
 
 
-class FitWatch:
-    """The XLA watch a callback keeps over one `fit` (`xla_checks.Watch`).
+class EitherKeras:
+    """Base of a callback class `C(Code, EitherKeras, keras.callbacks.Callback)`
+    whose behaviour is all in `Code`: when `tf.keras` is tf-keras
+    (`TF_USE_LEGACY_KERAS=1`), `C(...)` is `C.for_tf_keras(...)`."""
 
-    Live while the model still runs the train function it had when training
-    began: `compile` replaces that function, so a watch that a fit which
-    died left behind does not vouch for the step of a later fit.
+    def __new__(cls, *args, **kwargs):
+        if (EitherKeras in cls.__bases__
+                and optimizer_protocol.tf_keras_is_tf_keras()):
+            return cls.for_tf_keras(*args, **kwargs)
+        return super().__new__(cls)
 
-    The model's train function is made anew (`make_train_function(force=
-    True)`, public in Keras 3 and tf-keras), for a loss scale that needs the
-    host on a model compiled with XLA, twice:
+    @classmethod
+    def for_tf_keras(cls, *args, **kwargs):
+        """This callback as a `tf_keras.callbacks.Callback`, for tf-keras'
+        `fit` (with `tf_keras` imported directly); same arguments."""
+        public = next(c for c in cls.__mro__ if EitherKeras in c.__bases__)
+        return _tf_keras_twin(public)(*args, **kwargs)
 
-    * when the watch starts: the step is traced under this watch, even if a
-      function made earlier was traced without one, or failed its first
-      trace for want of one (TensorFlow may not trace that function again);
-    * when the watch ends, if a step was traced under it: a later `fit`
-      without a watcher then fails before its first step, naming the fixes,
-      instead of running a compiled step that nobody checks. The cost: that
-      later fit compiles its step again.
+
+@functools.lru_cache(maxsize=None)
+def _tf_keras_twin(public):
+    # Made on first use, so Keras 3 users never import tf_keras.
+    import tf_keras  # pylint: disable=g-import-not-at-top
+
+    return type(f"TfKeras{public.__name__}",
+                (public.__bases__[0], tf_keras.callbacks.Callback),
+                {"__doc__": public.__doc__, "__module__": public.__module__})
+
+
+class FitWatcher:
+    """`XlaChecks` on either Keras' Callback (the next class in the MRO), and
+    `LossScaleMonitor`'s base: an XLA watch over each `fit`, live while the
+    model keeps the train function it began with. For a loss scale that needs
+    the host, a model compiled with XLA makes its train function anew when the
+    watch starts, so that the step is traced under it, and when it ends after
+    such a trace, so that a later unwatched `fit` fails before its first step.
     """
-
-    def __init__(self, model, optimizer):
-        self._model = model
-        if xla_checks.needs_watch(optimizer) and getattr(
-                model, "jit_compile", False) is True:
-            self._make_train_function()
-        train_function = getattr(model, "train_function", None)
-        self._watch = xla_checks.Watch(
-            optimizer, is_live=lambda: getattr(
-                model, "train_function", None) is train_function)
-        self._watch.start()
-
-    def _make_train_function(self):
-        make_train_function = getattr(self._model, "make_train_function", None)
-        if make_train_function is not None:
-            make_train_function(force=True)
-
-    def end(self, retrace=True):
-        self._watch.end()
-        if retrace and self._watch.traced:
-            self._watch.traced = False
-            self._make_train_function()
-
-    @contextlib.contextmanager
-    def ending_on_error(self):
-        """Ends the watch if the body raises: Keras calls no
-        `on_train_end` after a callback raised."""
-        try:
-            yield
-        except BaseException:
-            self.end()
-            raise
-
-
-def rewatch(watch, model, optimizer, act=True):
-    """A new `_FitWatch` of `model`, once `optimizer`'s record holds nothing
-    (acting on it raises what unwatched calls left; `act=False` for a caller
-    that reads the scale next, which acts); `watch`, left by a fit that died
-    (no `on_train_end`), ends first."""
-    if watch is not None:
-        watch.end(retrace=False)
-    if act:
-        xla_checks.act(optimizer)
-    return FitWatch(model, optimizer)
-
-
-class _XlaChecks:
-    """`XlaChecks` for either framework's Callback base (the next class in
-    the MRO)."""
 
     def __init__(self):
         super().__init__()
         self._watch = None
 
-    def on_train_begin(self, logs=None):
-        optimizer = getattr(self.model, "optimizer", None)
+    def _begin(self, act=True):
+        """Checks the model's optimizer, watches the fit and returns the
+        optimizer; with `act`, first acts on what unwatched calls left in
+        its record (raising it)."""
+        model = self.model
+        optimizer = getattr(model, "optimizer", None)
         check_optimizer(optimizer)
-        self._watch = rewatch(self._watch, self.model, optimizer)
+        if self._watch is not None:  # Left by a fit that died.
+            self._watch.end()
+        if act:
+            xla_checks.act(optimizer)
+        if xla_checks.needs_watch(optimizer) and getattr(
+                model, "jit_compile", False) is True:
+            model.make_train_function(force=True)
+        train_function = getattr(model, "train_function", None)
+        self._watch = xla_checks.Watch(
+            optimizer, is_live=lambda: getattr(
+                model, "train_function", None) is train_function)
+        self._watch.start()
+        return optimizer
+
+    def _end(self):
+        self._watch.end()
+        if self._watch.traced:
+            self._watch.traced = False
+            self.model.make_train_function(force=True)
+
+    @contextlib.contextmanager
+    def _ending_on_error(self):
+        # Keras calls no on_train_end after a callback raised.
+        try:
+            yield
+        except BaseException:
+            self._end()
+            raise
+
+    def on_train_begin(self, logs=None):
+        self._begin()
 
     def on_train_batch_end(self, batch, logs=None):
-        with self._watch.ending_on_error():
+        with self._ending_on_error():
             xla_checks.act(self.model.optimizer)
 
     def on_train_end(self, logs=None):
-        self._watch.end()
+        self._end()
 
 
-class XlaChecks(_XlaChecks, keras.callbacks.Callback):
+class XlaChecks(FitWatcher, EitherKeras, keras.callbacks.Callback):
     """Carries out, after each batch, what an XLA-compiled step cannot.
 
-    Under XLA (`jit_compile`, Keras' default when a GPU is visible) a step can
-    neither fail nor print, so `DynamicLossScale`'s state check,
-    `on_min_loss_scale="raise"`/`"warn"` and `max_consecutive_skips` are
-    carried out on the host, with the same errors and warnings. This
-    callback (or a `LossScaleMonitor`, which does the same) watches `fit`:
-    a loss scale with "warn", "raise" or `max_consecutive_skips` can only be
-    traced under XLA while a watcher is live, and the callback acts after
-    each executed call (`steps_per_execution` steps), with one small read.
-    Without XLA it reads nothing and does nothing.
-
-    The watch lasts from `on_train_begin` to `on_train_end`, and only while
-    the model keeps the train function it began with. If a step was traced
-    under it, `on_train_end` makes the model trace its step again
-    (`make_train_function(force=True)`), so that a later `fit` without a
-    watcher fails before its first step (naming the fixes) instead of
-    running unchecked; that later fit compiles its step again.
+    Under XLA a step can neither fail nor print, so `DynamicLossScale`'s state
+    check, `on_min_loss_scale="raise"`/`"warn"` and `max_consecutive_skips`
+    are carried out on the host, with the same errors and warnings, while a
+    watcher is live: this callback (or a `LossScaleMonitor`) watches `fit` and
+    acts after each executed call, with one small read (none without XLA).
+    The XLA guide says how long a watch lasts and what it costs.
 
     Raises:
       TypeError: at the start of training, the model's optimizer is not a
@@ -151,25 +141,3 @@ class XlaChecks(_XlaChecks, keras.callbacks.Callback):
     With `TF_USE_LEGACY_KERAS=1` the object made is a tf-keras callback
     (`for_tf_keras`).
     """
-
-    def __new__(cls, *args, **kwargs):
-        if cls is XlaChecks and optimizer_protocol.tf_keras_is_tf_keras():
-            return cls.for_tf_keras(*args, **kwargs)
-        return super().__new__(cls)
-
-    @staticmethod
-    def for_tf_keras():
-        """The callback as a `tf_keras.callbacks.Callback`, for tf-keras'
-        `fit`."""
-        return tf_keras_class(_XlaChecks, "TfKerasXlaChecks",
-                              XlaChecks.__doc__)()
-
-
-@functools.lru_cache(maxsize=None)
-def tf_keras_class(mixin, name, doc):
-    """`mixin` on tf-keras' Callback base; made on first use, so Keras 3
-    users never import tf_keras."""
-    import tf_keras  # pylint: disable=g-import-not-at-top
-
-    return type(name, (mixin, tf_keras.callbacks.Callback),
-                {"__doc__": doc, "__module__": __name__})
