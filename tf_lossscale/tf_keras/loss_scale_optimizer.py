@@ -47,7 +47,7 @@ from tf_lossscale._internal import versions
 # Before tf_keras' internals below are reached: an older tf-keras than
 # supported fails here with an ImportError that says what to install; a newer
 # one than tested gets a warning (unless `import tf_lossscale` gave it).
-versions.warn_untested([versions.check_tf_keras()])
+versions.warn_untested([versions.check(versions.TF_KERAS)])
 
 import tensorflow as tf
 import tf_keras
