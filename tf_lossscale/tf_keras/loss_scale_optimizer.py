@@ -92,7 +92,7 @@ def _track_tf22_slot_placeholder(wrapper, inner_optimizer):
     # Tracked on the inner optimizer, as everything the wrapper tracks.
     private_api.track(
         wrapper,
-        private_api.tf_keras_fake_optimizer_for_restoration(inner_optimizer),
+        _tf_keras_lso.FakeOptimizerForRestoration(inner_optimizer),
         "base_optimizer")
 
 
