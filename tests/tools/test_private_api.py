@@ -13,7 +13,6 @@ reaches into `tf.__internal__`.
 """
 
 import ast
-import inspect
 import pathlib
 import re
 import tempfile
@@ -380,21 +379,6 @@ def test_variable_key_is_one_for_all_replicas():
     strategy.run(step)
     _expect(seen == [keys[0]], api, entry,
             f"in merge_call the key is {seen}, not {keys[0]}")
-
-
-def test_call_for_each_replica_runs_in_every_replica():
-    api = "tf.distribute.StrategyExtended.call_for_each_replica"
-    entry = "call_for_each_replica"
-    strategy = strategies.mirrored(2)
-    call = _get(strategy.extended, "call_for_each_replica", api, entry)
-    _expect(list(inspect.signature(call).parameters)[:2] == ["fn", "args"],
-            api, entry, f"signature {inspect.signature(call)}")
-    with strategy.scope():
-        result = private_api.call_for_each_replica(
-            strategy, lambda x: x + tf.distribute.get_replica_context()
-            .replica_id_in_sync_group, (tf.constant(10),))
-    values = [int(v) for v in strategy.experimental_local_results(result)]
-    _expect(values == [10, 11], api, entry, f"per-replica results {values}")
 
 
 # --- Keras 3 -----------------------------------------------------------------

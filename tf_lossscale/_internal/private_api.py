@@ -175,12 +175,6 @@ def variable_key(variable):
     return variable._unique_id
 
 
-def call_for_each_replica(strategy, fn, args):
-    """From cross-replica context, `fn(*args)` in every replica of
-    `strategy` (documented for `tf.compat.v1` strategies only)."""
-    return strategy.extended.call_for_each_replica(fn, args=args)
-
-
 # --- Keras 3 ------------------------------------------------------------------
 
 # A Keras optimizer's checkpoint dependency names: its iterations, its

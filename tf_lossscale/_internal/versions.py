@@ -64,14 +64,15 @@ _WARNED = set()  # The modules warned about in this process.
 def _tensorflow_distribution(module):
     """The known distribution whose files were imported as `module`, or None
     (the plain one last: tf-keras installs it beside another)."""
+    imported = getattr(module, "__file__", None)
     for name in ("tensorflow-cpu", "tensorflow-intel", "tensorflow-macos",
-                 "tensorflow-rocm", "tensorflow") if module else ():
+                 "tensorflow-rocm", "tensorflow") if imported else ():
         try:
             path = metadata.distribution(name).locate_file(
                 "tensorflow/__init__.py")
         except metadata.PackageNotFoundError:
             continue
-        if os.path.realpath(path) == os.path.realpath(module.__file__):
+        if os.path.realpath(path) == os.path.realpath(imported):
             return name
     return None
 
