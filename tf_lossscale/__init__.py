@@ -25,7 +25,8 @@ Public API:
 # fix it. Newer than tested releases get one warning (versions.py).
 from tf_lossscale._internal import versions as _versions
 
-_newer_than_tested = [_versions.check_tensorflow(), _versions.check_keras()]
+_newer_than_tested = [_versions.check(_versions.TENSORFLOW),
+                      _versions.check(_versions.KERAS)]
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from importlib import util as _importlib_util
@@ -39,7 +40,7 @@ from tf_lossscale.step import optimizer_protocol as _optimizer_protocol
 _tf_keras_now = _optimizer_protocol.tf_keras_is_tf_keras() and (
     _importlib_util.find_spec("tf_keras") is not None)
 if _tf_keras_now:
-    _newer_than_tested.append(_versions.check_tf_keras())
+    _newer_than_tested.append(_versions.check(_versions.TF_KERAS))
 _versions.warn_untested(_newer_than_tested)
 
 from tf_lossscale import compat

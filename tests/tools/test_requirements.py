@@ -9,13 +9,15 @@ older than supported, with an ImportError that says what to install, and
 imports with one `UntestedReleaseWarning` when one is newer than tested;
 tf-keras is checked the same way when the tf-keras wrapper is imported.
 
-Older and missing TensorFlows run `import tf_lossscale` in a subprocess
-against a stand-in `tensorflow` package (or none at all); these processes
-never import the real TensorFlow, so they take well under a second each.
-Newer releases, and Keras and tf-keras, run it in a subprocess whose real
-TensorFlow, Keras or tf-keras is given another version string first.
+The checks run in this process on the installed modules given another
+version string. What only an import shows runs in subprocesses: three
+against a stand-in `tensorflow` package (or none), which never import the
+real TensorFlow, and two that import it once each and run several steps.
 """
 
+import functools
+import importlib
+from importlib import metadata
 import json
 import os
 import pathlib
@@ -25,15 +27,14 @@ import subprocess
 import sys
 import textwrap
 import types
+import warnings
 
-import keras
 import pytest
 import tensorflow as tf
-import tf_keras
 
 from tests.support import paths
 import tf_lossscale
-from tf_lossscale._internal import versions as requirements
+from tf_lossscale._internal import versions
 
 _ROOT = paths.ROOT
 _README = (_ROOT / "README.md").read_text()
@@ -50,9 +51,11 @@ _EXTRA_LINES = (
 
 def _setup_arguments():
     """The keyword arguments setup.py passes to `setuptools.setup`."""
+    import setuptools  # pylint: disable=g-import-not-at-top
     captured = {}
     fake_setuptools = types.ModuleType("setuptools")
     fake_setuptools.setup = lambda **kwargs: captured.update(kwargs)
+    fake_setuptools.find_packages = setuptools.find_packages
     saved = sys.modules.get("setuptools")
     sys.modules["setuptools"] = fake_setuptools
     try:
@@ -77,69 +80,100 @@ def _assert_explains(message, version):
         assert line in message
 
 
-# --- the ranges and the version checks ---------------------------------------
+@functools.cache
+def _tensorflow_distributions():
+    """The pip distributions that install the `tensorflow` module here, from
+    every distribution's metadata (the package looks up a few known names
+    instead): e.g. {"tensorflow"}, or {"tensorflow", "tensorflow-cpu"} where
+    tf-keras brought `tensorflow` beside a `tensorflow-cpu`."""
+    return {re.sub(r"[-_.]+", "-", name).lower()
+            for name in metadata.packages_distributions().get(
+                "tensorflow", ())}
+
+
+def _names_an_installed_tensorflow(message, specifier):
+    """Whether `message` says to install `specifier` over a distribution
+    that installed the imported TensorFlow."""
+    assert _tensorflow_distributions(), "no distribution lists TensorFlow"
+    return any(f'pip install "{name}{specifier}"' in message
+               for name in _tensorflow_distributions())
+
+
+# --- the ranges, and the checks in this process -------------------------------
 
 
 def test_the_supported_ranges():
-    assert (requirements.TENSORFLOW.oldest,
-            requirements.TENSORFLOW.newest) == ((2, 16), (2, 21))
-    assert requirements.TENSORFLOW.specifier == _RANGE
-    assert (requirements.KERAS.oldest, requirements.KERAS.newest) == (
-        (3, 10), (3, 15))
-    assert requirements.KERAS.specifier == _KERAS_FLOOR
-    assert requirements.KERAS.tested_specifier == ">=3.10,<3.16"
-    assert (requirements.TF_KERAS.oldest, requirements.TF_KERAS.newest) == (
+    assert (versions.TENSORFLOW.oldest, versions.TENSORFLOW.newest) == (
         (2, 16), (2, 21))
-    assert requirements.TF_KERAS.specifier == _RANGE
+    assert versions.TENSORFLOW.specifier == _RANGE
+    assert (versions.KERAS.oldest, versions.KERAS.newest) == (
+        (3, 10), (3, 15))
+    assert versions.KERAS.specifier == _KERAS_FLOOR
+    assert versions.KERAS.tested_specifier == ">=3.10,<3.16"
+    assert (versions.TF_KERAS.oldest, versions.TF_KERAS.newest) == (
+        (2, 16), (2, 21))
+    assert versions.TF_KERAS.specifier == _RANGE
 
 
-@pytest.mark.parametrize("version", [
-    "2.16.0", "2.16.2", "2.18.1", "2.21.0", "2.21.0rc1", "2.17.0-rc0",
-    "2.22.0", "2.22.0-dev20250601", "2.160.0", "3.0.0",
-])
-def test_tensorflow_not_older_than_supported_passes(version):
-    requirements.check_version(version)
+@pytest.fixture
+def release(monkeypatch):
+    """`release(supported, version)` gives the installed module of
+    `supported` another version string, then checks it; nothing has been
+    warned about in this process, for the test's duration."""
+    monkeypatch.setattr(versions, "_WARNED", set())
+
+    def check(supported, version):
+        module = importlib.import_module(supported.module)
+        monkeypatch.setattr(module, "__version__", version)
+        return versions.check(supported)
+
+    return check
+
+
+def _refusal(release, supported, version):
+    with pytest.raises(ImportError) as error:
+        release(supported, version)
+    return str(error.value)
 
 
 @pytest.mark.parametrize("version, newer", [
-    ("2.21.0", False), ("2.21.9rc0", False), ("2.22.0rc0", True),
-    ("2.23.0.dev20261026", True), ("3.0.0", True), ("2.16.2", False),
+    ("2.16.0", False), ("2.16.2", False), ("2.18.1", False),
+    ("2.21.0", False), ("2.21.0rc1", False), ("2.21.9rc0", False),
+    ("2.17.0-rc0", False), ("2.22.0", True), ("2.22.0rc0", True),
+    ("2.22.0-dev20250601", True), ("2.23.0.dev20261026", True),
+    ("2.160.0", True), ("3.0.0", True),
 ])
-def test_tensorflow_newer_than_tested(version, newer):
-    assert requirements.TENSORFLOW.is_newer(version) is newer
+def test_tensorflow_not_older_than_supported_passes(release, version, newer):
+    assert (release(versions.TENSORFLOW, version) is not None) is newer
 
 
 @pytest.mark.parametrize("version", [
     "2.15.1", "2.15.0", "1.15.5", "unknown",
 ])
-def test_older_tensorflow_raises_import_error_saying_what_to_do(version):
-    with pytest.raises(ImportError) as error:
-        requirements.check_version(version)
-    _assert_explains(str(error.value), version)
+def test_older_tensorflow_raises_import_error_saying_what_to_do(release,
+                                                                 version):
+    message = _refusal(release, versions.TENSORFLOW, version)
+    assert message.startswith("tf_lossscale supports TensorFlow 2.16 to 2.21")
+    assert f"this environment has TensorFlow {version}." in message
+    _assert_explains(message, version)
+    # The fix upgrades the distribution installed, not another beside it.
+    assert _names_an_installed_tensorflow(message, _RANGE), message
 
 
-def test_the_fix_names_the_distribution_the_user_has():
-    with pytest.raises(ImportError) as error:
-        requirements.check_version("2.15.1", "tensorflow-cpu")
-    message = str(error.value)
-    assert "'tensorflow-cpu' distribution" in message
-    assert f'pip install "tensorflow-cpu{_RANGE}"' in message
-
-
-@pytest.mark.parametrize("version", [
-    "3.10.0", "3.10.1rc0", "3.15.1", "3.16.0.dev2026102704", "4.0.0",
+@pytest.mark.parametrize("version, newer", [
+    ("3.10.0", False), ("3.10.1rc0", False), ("3.15.1", False),
+    ("3.16.0.dev2026102704", True), ("4.0.0", True),
 ])
-def test_keras_from_the_floor_on_passes(version):
-    requirements.check_keras_version(version)
+def test_keras_from_the_floor_on_passes(release, version, newer):
+    assert (release(versions.KERAS, version) is not None) is newer
 
 
 @pytest.mark.parametrize("version", [
     "3.9.2", "3.0.5", "3.5.0", "2.15.0", "unknown",
 ])
-def test_keras_below_the_floor_raises_import_error_saying_what_to_do(version):
-    with pytest.raises(ImportError) as error:
-        requirements.check_keras_version(version)
-    message = str(error.value)
+def test_keras_below_the_floor_raises_import_error_saying_what_to_do(
+        release, version):
+    message = _refusal(release, versions.KERAS, version)
     assert f"this environment has Keras {version}." in message
     assert "Keras 3.10 and newer (tested: Keras 3.10 to 3.15)" in message
     assert f'pip install "keras{_KERAS_FLOOR}"' in message
@@ -149,33 +183,91 @@ def test_keras_below_the_floor_raises_import_error_saying_what_to_do(version):
     ("2.15.1", True), ("2.16.0", False), ("2.21.0", False),
     ("2.23.0.dev2026102618", False), ("unknown", True),
 ])
-def test_tf_keras_outside_its_extra_range_raises_when_older(version, older):
+def test_tf_keras_outside_its_extra_range_raises_when_older(release, version,
+                                                            older):
     if older:
-        with pytest.raises(ImportError) as error:
-            requirements.check_tf_keras_version(version)
-        assert f"has tf-keras {version}." in str(error.value)
-        assert f'pip install "tf-keras{_RANGE}"' in str(error.value)
+        message = _refusal(release, versions.TF_KERAS, version)
+        assert f"has tf-keras {version}." in message
+        assert f'pip install "tf-keras{_RANGE}"' in message
     else:
-        requirements.check_tf_keras_version(version)
+        release(versions.TF_KERAS, version)
 
 
 def test_the_installed_releases_are_tested_ones():
     # What CI runs on: no warning, no error.
-    assert requirements.check_tensorflow() is None
-    assert requirements.check_keras() is None
-    assert requirements.check_tf_keras() is None
-    assert not requirements.TENSORFLOW.is_older(tf.__version__)
-    assert not requirements.KERAS.is_older(keras.__version__)
-    assert not requirements.TF_KERAS.is_older(tf_keras.__version__)
+    assert versions.check(versions.TENSORFLOW) is None
+    assert versions.check(versions.KERAS) is None
+    assert versions.check(versions.TF_KERAS) is None
 
 
-def test_the_installed_tensorflow_is_found_in_its_distribution():
-    # Whichever distribution installed it here, its metadata lists the file.
-    assert requirements.installed_distribution(tf.__file__) in (
-        "tensorflow", "tensorflow-cpu", "tensorflow-intel")
+def _warned(newer):
+    """The messages of the UntestedReleaseWarnings `warn_untested(newer)`
+    gives, every filter aside."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        versions.warn_untested(newer)
+    return [str(w.message) for w in caught
+            if w.category is versions.UntestedReleaseWarning]
 
 
-# --- `import tf_lossscale` against another TensorFlow, in a subprocess ---------
+def test_a_newer_tensorflow_warns_naming_the_range_and_the_installed_one(
+        release):
+    (message,) = _warned([release(versions.TENSORFLOW, "2.22.0")])
+    assert message.startswith(
+        "tf_lossscale is not tested with TensorFlow 2.22.0: it was tested "
+        "with TensorFlow 2.16 to 2.21.")
+    assert _names_an_installed_tensorflow(message, _RANGE), message
+    assert "Keras" not in message
+
+
+def test_a_newer_keras_warns_naming_the_range(release):
+    (message,) = _warned([release(versions.KERAS, "3.16.0.dev2026102704")])
+    assert ("not tested with Keras 3.16.0.dev2026102704: it was tested with "
+            "Keras 3.10 to 3.15.") in message
+    assert 'pip install "keras>=3.10,<3.16"' in message
+
+
+def test_a_newer_tf_keras_warns_naming_the_range(release):
+    (message,) = _warned([release(versions.TF_KERAS, "2.22.0")])
+    assert message.startswith(
+        "tf_lossscale is not tested with tf-keras 2.22.0: it was tested with "
+        "tf-keras 2.16 to 2.21.")
+    assert 'pip install "tf-keras>=2.16,<2.22"' in message
+
+
+def test_one_warning_per_package_and_process(release):
+    tensorflow = release(versions.TENSORFLOW, "2.22.0")
+    keras = release(versions.KERAS, "3.17.0")
+    assert len(_warned([tensorflow, None])) == 1
+    assert _warned([tensorflow]) == []
+    (message,) = _warned([tensorflow, keras, None])
+    assert message.startswith(
+        "tf_lossscale is not tested with Keras 3.17.0: it was tested with "
+        "Keras 3.10 to 3.15.")
+    assert _warned([tensorflow, keras]) == []
+
+
+def test_the_warning_is_filtered_by_its_message(release):
+    newer = [release(versions.TENSORFLOW, "2.22.0")]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", "tf_lossscale is not tested with")
+        versions.warn_untested(newer)
+    assert caught == []
+
+
+def test_the_warning_is_filtered_by_its_category_from_the_root(release):
+    assert tf_lossscale.UntestedReleaseWarning is (
+        versions.UntestedReleaseWarning)
+    assert issubclass(tf_lossscale.UntestedReleaseWarning, UserWarning)
+    newer = [release(versions.TF_KERAS, "2.22.0")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tf_lossscale.UntestedReleaseWarning)
+        with pytest.raises(tf_lossscale.UntestedReleaseWarning):
+            versions.warn_untested(newer)
+
+
+# --- `import tf_lossscale` against a stand-in TensorFlow, in a subprocess -----
 
 
 def _import_tf_lossscale(*path_entries, flags=()):
@@ -209,7 +301,7 @@ def _fake_tensorflow(folder, version, distribution=None):
     return str(folder)
 
 
-def test_import_refuses_an_older_tensorflow(tmp_path):
+def test_import_refuses_an_older_tensorflow_naming_its_distribution(tmp_path):
     result = _import_tf_lossscale(
         _fake_tensorflow(tmp_path, "2.15.1", "tensorflow-cpu"))
     assert result.returncode != 0
@@ -222,7 +314,7 @@ def test_import_without_tensorflow_says_how_to_install_one():
     # -S: no site-packages, so no TensorFlow; only tf_lossscale is on the path.
     result = _import_tf_lossscale(flags=["-S"])
     assert result.returncode != 0
-    assert "ImportError: tf_lossscale needs TensorFlow" in result.stderr
+    assert "ImportError: tf_lossscale supports TensorFlow" in result.stderr
     assert "`import tensorflow` finds none" in result.stderr
     _assert_explains(result.stderr, "")
 
@@ -238,147 +330,105 @@ def test_a_broken_tensorflow_install_is_not_reported_as_missing(tmp_path):
     assert "finds none" not in result.stderr
 
 
-# --- newer and older real releases, in a subprocess -------------------------
+# --- `import tf_lossscale` with the real releases, in a subprocess ------------
 
-# Gives the installed modules the version strings of argv[1] (a JSON dict),
-# imports tf_lossscale, runs the statements of argv[2:] one by one, and
-# prints, after each (the import first), the UntestedReleaseWarnings given
-# so far; an exception ends the run and is reported. With
-# TF_LOSSSCALE_TEST_FILTERS=keep the process's warning filters stay as they
-# are (PYTHONWARNINGS); otherwise every warning is recorded, repeats too.
-_PATCHED_RUN = textwrap.dedent("""\
-    import importlib, json, os, sys, warnings
-    for name, version in json.loads(sys.argv[1]).items():
-        importlib.import_module(name).__version__ = version
-    report = {"after": [], "error": None}
+# Runs the statements of argv[1] (a JSON list) one by one and prints, for
+# each, the UntestedReleaseWarnings it gave and the exception it raised.
+# `release(tensorflow=..., ...)` gives the installed modules other version
+# strings (before the first statement: the tested ones, so that each run sees
+# only the releases it sets); `wrap()` wraps a tf-keras optimizer. The
+# process's warning filters stay as they are (PYTHONWARNINGS) until a
+# statement changes them.
+_STEPS = textwrap.dedent("""\
+    import importlib, json, sys, warnings
+
+    def release(**modules):
+        for name, version in modules.items():
+            importlib.import_module(name).__version__ = version
+
+    def wrap():
+        import tf_keras, tf_lossscale
+        return tf_lossscale.LossScaleOptimizer(tf_keras.optimizers.SGD(0.1))
+
+    release(**json.loads(sys.argv[2]))
+    scope = {"release": release, "wrap": wrap, "warnings": warnings}
+    reports = []
     with warnings.catch_warnings(record=True) as caught:
-        if os.environ.get("TF_LOSSSCALE_TEST_FILTERS") != "keep":
-            warnings.simplefilter("always")
-        try:
-            for statement in ["import tf_lossscale"] + sys.argv[2:]:
-                exec(statement)
-                report["after"].append([
-                    [w.category.__name__, str(w.message), w.filename]
-                    for w in caught
-                    if w.category.__name__ == "UntestedReleaseWarning"
-                    or str(w.message).startswith("tf_lossscale is not")])
-        except Exception as error:
-            report["error"] = [type(error).__name__, str(error)]
-    print(json.dumps(report))
+        for statement in json.loads(sys.argv[1]):
+            error, seen = None, len(caught)
+            try:
+                exec(statement, scope)
+            except Exception as raised:
+                error = [type(raised).__name__, str(raised)]
+            reports.append({"error": error, "warnings": [
+                [str(w.message), w.filename] for w in caught[seen:]
+                if w.category.__name__ == "UntestedReleaseWarning"]})
+    print(json.dumps(reports))
     """)
 
-_WRAP_TF_KERAS = ("tf_lossscale.LossScaleOptimizer("
-                  "__import__('tf_keras').optimizers.SGD(0.1))")
 
-
-# Tested releases: the versions every run gives the modules it does not
-# name, so that each test sees only the releases it sets (a nightly run has
-# untested ones installed).
-_TESTED = {"tensorflow": "2.21.0", "keras": "3.15.1", "tf_keras": "2.21.0"}
-
-
-def _patched_run(versions, *statements, **env):
-    uses_tf_keras = "TF_USE_LEGACY_KERAS" in env or any(
-        "tf_keras" in statement for statement in statements)
-    versions = {**{name: version for name, version in _TESTED.items()
-                   if name != "tf_keras" or uses_tf_keras}, **versions}
+def _run_steps(statements, **env):
+    tested = {"tensorflow": "2.21.0", "keras": "3.15.1", "tf_keras": "2.21.0"}
     environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **env)
     environment["PYTHONPATH"] = os.pathsep.join(
         [_PACKAGE_ROOT] + ([environment["PYTHONPATH"]]
                            if environment.get("PYTHONPATH") else []))
     done = subprocess.run(
-        [sys.executable, "-c", _PATCHED_RUN, json.dumps(versions),
-         *statements], capture_output=True, text=True, env=environment,
-        timeout=300, check=False)
+        [sys.executable, "-c", _STEPS, json.dumps(statements),
+         json.dumps(tested)], capture_output=True, text=True,
+        env=environment, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_a_newer_tensorflow_imports_with_one_warning_naming_the_range():
-    report = _patched_run({"tensorflow": "2.22.0"})
-    assert report["error"] is None
-    (warning,) = report["after"][0]
-    category, message, filename = warning
-    assert category == "UntestedReleaseWarning"
-    assert message.startswith(
-        "tf_lossscale is not tested with TensorFlow 2.22.0: it was tested "
-        "with TensorFlow 2.16 to 2.21.")
-    assert 'pip install "tensorflow>=2.16,<2.22"' in message
-    assert "Keras" not in message
-    # It points at the line that imported tf_lossscale.
-    assert filename == "<string>"
-
-
-def test_a_newer_keras_imports_with_one_warning_naming_the_range():
-    report = _patched_run({"keras": "3.16.0.dev2026102704"},
-                          "tf_lossscale.LossScaleOptimizer("
-                          "__import__('keras').optimizers.SGD())")
-    assert report["error"] is None
-    assert len(report["after"][-1]) == 1
-    message = report["after"][-1][0][1]
-    assert ("not tested with Keras 3.16.0.dev2026102704: it was tested with "
-            "Keras 3.10 to 3.15.") in message
-    assert 'pip install "keras>=3.10,<3.16"' in message
+def test_import_refuses_old_releases_and_warns_once_filtered_or_not(release):
+    reports = _run_steps([
+        "release(keras='3.9.2'); import tf_lossscale",
+        # Filtered by its message before the import (PYTHONWARNINGS below).
+        "release(keras='3.15.1', tensorflow='2.22.0'); import tf_lossscale",
+        "warnings.simplefilter('always'); release(tf_keras='2.15.1'); wrap()",
+        "release(tf_keras='2.22.0'); wrap()",
+        "wrap()",
+    ], PYTHONWARNINGS="ignore:tf_lossscale is not tested with")
+    keras_too_old, newer_filtered, tf_keras_too_old, newer_tf_keras, again = (
+        reports)
+    assert keras_too_old == {"error": [
+        "ImportError", _refusal(release, versions.KERAS, "3.9.2")],
+                             "warnings": []}
+    assert newer_filtered == {"error": None, "warnings": []}
+    # The tf-keras wrapper checks tf-keras when it is first imported.
+    assert tf_keras_too_old == {"error": [
+        "ImportError", _refusal(release, versions.TF_KERAS, "2.15.1")],
+                                "warnings": []}
+    assert newer_tf_keras["error"] is None
+    assert [message for message, _ in newer_tf_keras["warnings"]] == _warned(
+        [release(versions.TF_KERAS, "2.22.0")])
+    assert again == {"error": None, "warnings": []}
 
 
 def test_everything_newer_gives_exactly_one_warning_per_process():
     # tf.keras is tf-keras: the import checks all three, in one warning;
     # wrapping and importing the tf-keras wrapper again add nothing.
-    report = _patched_run(
-        {"tensorflow": "2.23.0.dev20261026", "keras": "3.17.0",
-         "tf_keras": "2.23.0.dev2026102618"},
-        _WRAP_TF_KERAS, "import tf_lossscale.tf_keras.loss_scale_optimizer",
-        "tf_lossscale._internal.versions.warn_untested(["
-        "tf_lossscale._internal.versions.check_keras()])",
-        TF_USE_LEGACY_KERAS="1")
-    assert report["error"] is None
-    assert [len(seen) for seen in report["after"]] == [1, 1, 1, 1]
-    message = report["after"][0][0][1]
+    reports = _run_steps([
+        "warnings.simplefilter('always'); release("
+        "tensorflow='2.23.0.dev20261026', keras='3.17.0', "
+        "tf_keras='2.23.0.dev2026102618'); import tf_lossscale",
+        "wrap()",
+        "import tf_lossscale.tf_keras.loss_scale_optimizer",
+        "import keras; "
+        "tf_lossscale.LossScaleOptimizer(keras.optimizers.SGD())",
+        "from tf_lossscale._internal import versions; "
+        "versions.warn_untested([versions.check(versions.KERAS)])",
+    ], TF_USE_LEGACY_KERAS="1")
+    assert [report["error"] for report in reports] == [None] * 5
+    assert [len(report["warnings"]) for report in reports] == [1, 0, 0, 0, 0]
+    message, filename = reports[0]["warnings"][0]
     assert ("not tested with TensorFlow 2.23.0.dev20261026 and Keras 3.17.0 "
             "and tf-keras 2.23.0.dev2026102618: it was tested with "
             "TensorFlow 2.16 to 2.21 and Keras 3.10 to 3.15 and tf-keras "
             "2.16 to 2.21.") in message
-
-
-def test_a_newer_tf_keras_warns_when_the_tf_keras_wrapper_is_imported():
-    report = _patched_run({"tf_keras": "2.22.0"}, _WRAP_TF_KERAS,
-                          _WRAP_TF_KERAS)
-    assert report["error"] is None
-    assert [len(seen) for seen in report["after"]] == [0, 1, 1]
-    message = report["after"][1][0][1]
-    assert message.startswith(
-        "tf_lossscale is not tested with tf-keras 2.22.0: it was tested with "
-        "tf-keras 2.16 to 2.21.")
-    assert 'pip install "tf-keras>=2.16,<2.22"' in message
-
-
-def test_the_warning_is_filtered_by_its_message_before_the_import():
-    report = _patched_run(
-        {"tensorflow": "2.22.0"}, TF_LOSSSCALE_TEST_FILTERS="keep",
-        PYTHONWARNINGS="ignore:tf_lossscale is not tested with")
-    assert report == {"after": [[]], "error": None}
-
-
-def test_the_warning_is_filtered_by_its_category_after_the_import():
-    report = _patched_run(
-        {"tf_keras": "2.22.0"},
-        "warnings.simplefilter('error', "
-        "tf_lossscale._internal.versions.UntestedReleaseWarning)", _WRAP_TF_KERAS)
-    assert report["error"][0] == "UntestedReleaseWarning"
-
-
-def test_import_refuses_a_keras_below_the_floor():
-    report = _patched_run({"keras": "3.9.2"})
-    assert report["error"] == [
-        "ImportError", requirements.old_keras_message("3.9.2")]
-    assert "pip install \"keras>=3.10\"" in report["error"][1]
-
-
-def test_the_tf_keras_wrapper_refuses_a_tf_keras_older_than_its_extra():
-    report = _patched_run({"tf_keras": "2.15.1"}, _WRAP_TF_KERAS)
-    assert report["error"] == [
-        "ImportError", requirements.old_tf_keras_message("2.15.1")]
-    assert len(report["after"]) == 1  # The import itself passed.
+    # It points at the line that imported tf_lossscale.
+    assert filename == "<string>"
 
 
 # --- setup.py: no TensorFlow in install_requires, extras that bring one -------
@@ -456,10 +506,10 @@ def test_ci_runs_the_oldest_and_the_newest_releases_of_each_range():
     block = re.search(r"^releases=\(\n(.*?)^\)", script,
                       re.DOTALL | re.MULTILINE).group(1)
     runs = [line.strip().strip('"').split() for line in block.splitlines()]
-    ranges = (requirements.TENSORFLOW, requirements.TF_KERAS,
-              requirements.KERAS)
+    ranges = (versions.TENSORFLOW, versions.TF_KERAS,
+              versions.KERAS)
     for run, end in ((runs[0], "oldest"), (runs[-1], "newest")):
-        assert [requirements.release_series(version) for version in run] == [
+        assert [versions.release_series(version) for version in run] == [
             getattr(supported, end) for supported in ranges], run
 
 

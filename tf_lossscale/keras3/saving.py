@@ -1,74 +1,17 @@
-"""How a `LossScaleOptimizer`'s state is saved, and what it can be restored from.
+"""How the Keras 3 `LossScaleOptimizer` saves its state, and what it restores.
 
-Two formats carry optimizer state, and each must keep reading what earlier
-versions wrote.
+`.keras` and `.weights.h5` files (`save_own_variables`): keys "0", "1", ...
+hold the wrapper's own variables then the inner optimizer's, in the order
+the first release wrote them; "loss_scale.<i>" the loss scale's variables;
+`LATER_STATE_KEYS` the state added since (a file without it leaves it at its
+initial value). A plain optimizer's store loads into the inner optimizer.
 
-`.keras` files and `.weights.h5` (Keras' `save_own_variables` store):
-
-* keys ``"0"``, ``"1"``, ...: the wrapper's own Keras variables as 0.1.0 had
-  them (the base class's unused `iteration` and `learning_rate`, then
-  `skipped_steps`), then every variable of the inner optimizer, in order;
-* ``"loss_scale.<i>"``: the loss scale's variables (`LossScale.variables`);
-* one named key per piece of wrapper state added since 0.1.0
-  (`LATER_STATE_KEYS`: which variables overflowed on the last skipped step),
-  absent from older files, which leave it at its initial value.
-
-That is exactly 0.1.0's layout plus named keys, so every file written since
-0.1.0 loads, whatever `optimizer.variables` lists. A plain optimizer's store
-(only ``"0"``, ``"1"``, ...: exactly the inner optimizer's variables) loads
-into the inner optimizer: `model.load_weights("plain.keras")` into a model
-compiled with the wrapper and built carries the plain optimizer's state over.
-The other way, a plain optimizer given a wrapper's store warns that it skips
-it (Keras' own check: the counts differ); take `model.optimizer.
-inner_optimizer` of the loaded wrapped model instead. A new optimizer passed
-to `model.compile` after `load_model` starts afresh, as in Keras: wrap the
-loaded one, `LossScaleOptimizer(model.optimizer)`, to keep its state.
-
-`tf.train.Checkpoint`: the wrapper's checkpoint dependencies are those of a
-plain Keras optimizer pointing at the inner optimizer's state: `_iterations`,
-`_learning_rate`, its named slot lists such as `_momentums` and `_variables`
-(listed last, so that a variable another plain name reaches keeps its key;
-Adafactor's slots, which no other name reaches, are keyed `_variables/<i>`
-as in a plain optimizer's checkpoint); plus `inner_optimizer`, `loss_scale`
-(where tf-keras kept it) and `skipped_steps`. State added since
-0.1.0 is not a checkpoint dependency, so every older checkpoint still passes
-`assert_consumed()`. So, whether the restore comes before or after the
-optimizer is built (Keras builds it at the first step):
-
-* a checkpoint of a plain optimizer restores into a wrapper around the same
-  optimizer class (iterations and slots carry over; the scale starts at its
-  initial value);
-* a wrapper's checkpoint restores into a plain optimizer (the loss-scale
-  entries are simply not used: restore with `expect_partial()`);
-* a checkpoint of Keras 3's wrapper restores its inner optimizer's state
-  into this one (its `dynamic_scale` and `step_counter` are not read: names
-  this wrapper does not save would make `assert_consumed()` fail on every
-  checkpoint without them);
-* 0.1.0 checkpoints, whose top-level `_iterations` and `_learning_rate` held
-  the wrapper's own unused placeholders (always 0 and 0.0) next to the real
-  values under `inner_optimizer/`, restore the real values:
-  `_Alias` ignores those placeholders (Keras 3's wrapper writes the same
-  placeholders).
-
-Restoring before the optimizer is built is where the plain names need care.
-TF keeps a checkpoint entry it cannot match yet pending on the object whose
-child it is, and hands it over when that object tracks a dependency of that
-name. The plain names are children of the wrapper, but the inner optimizer
-creates the state behind them. So:
-
-* `_variables` is every variable of a plain optimizer in order: the only
-  name under which Adafactor's slots are saved, and the one that survives
-  SGD and RMSprop replacing their momentum lists while building.
-  `_PlainVariables` saves the inner optimizer's list under it and, when
-  restoring, hands a plain optimizer's entries to the inner optimizer's list
-  (now, or when it creates them). A wrapper checkpoint's `_variables` holds
-  that wrapper's own variables (0.1.0's placeholders and `skipped_steps`,
-  Keras 3's scale and counter) and is ignored: its inner state comes through
-  `inner_optimizer/`.
-* Entries still pending on the wrapper when it is built (the named slot
-  lists, state a custom optimizer keeps outside its `variables`) are passed
-  to the inner optimizer before it builds
-  (`hand_pending_restores_to_inner`), whose own tracking then restores them.
+`tf.train.Checkpoint` (`checkpoint_children`): a plain Keras optimizer's
+dependency names pointing at the inner optimizer's state, plus
+`inner_optimizer`, `loss_scale` and `_skipped_steps`. So checkpoints of a
+plain optimizer, of Keras 3's wrapper and of every earlier release restore,
+before or after the optimizer is built. What loads into what, and how the
+restore is routed: docs/guides/saving.md.
 """
 
 import warnings
@@ -78,11 +21,11 @@ import tensorflow as tf
 
 from tf_lossscale._internal import private_api
 
-# Wrapper state added after 0.1.0: attribute name -> key in the .keras store.
+# Wrapper state beyond the indexed keys: attribute name -> key in the store.
 LATER_STATE_KEYS = {"_last_nonfinite": "last_nonfinite"}
 
-# What 0.1.0 saved at the top level of a checkpoint for the wrapper's own,
-# never-used `iterations` and `learning_rate`.
+# What wrappers' checkpoints (earlier releases', Keras 3's) hold at the top
+# level for the wrapper's own, never-used `iterations` and `learning_rate`.
 _PLACEHOLDER_VALUES = {private_api.KERAS_ITERATIONS: 0,
                        private_api.KERAS_LEARNING_RATE: 0.0}
 
@@ -95,14 +38,15 @@ _WRAPPER_NAMES = ("inner_optimizer", "loss_scale", "_skipped_steps",
 
 
 def _later_state(optimizer):
-    """`[(store_key, variable)]` of post-0.1.0 wrapper state that exists."""
+    """`[(store_key, variable)]` of the `LATER_STATE_KEYS` that exist."""
     return [(key, getattr(optimizer, name))
             for name, key in LATER_STATE_KEYS.items()
             if getattr(optimizer, name, None) is not None]
 
 
 def _indexed_variables(optimizer):
-    """The variables stored under "0", "1", ...: 0.1.0's order."""
+    """The variables stored under "0", "1", ..., in the first release's
+    order."""
     later = {id(variable) for _, variable in _later_state(optimizer)}
     own = [v for v in private_api.keras_own_variables(optimizer)
            if id(v) not in later]
@@ -126,49 +70,36 @@ def save_own_variables(optimizer, store):
 
 
 def _is_plain_store(optimizer, store):
-    """Whether `store` is what a plain optimizer like the inner one saved:
-    only indexed keys, as many as the inner optimizer has variables (a
-    wrapper's store has three more and loss-scale keys)."""
+    """Whether a plain optimizer like the inner one saved `store`: only
+    indexed keys, as many as the inner optimizer has variables."""
     keys = list(store.keys())
     return all(key.isdigit() for key in keys) and len(keys) == len(
         optimizer.inner_optimizer.variables)
 
 
-def _expect_empty_inner_store(inner):
-    """Lets the inner optimizer's next load pass an empty store silently.
-
-    Keras loads the inner optimizer next, from its own entry under the
-    wrapper's, which a plain optimizer's file does not have; its warning
-    ("Skipping variable loading ... the saved optimizer has 0 variables")
-    would report as lost the state just loaded. One call only: the hook
-    removes itself, and a store with variables loads as usual.
-    """
-    def load_unless_empty(store):
-        if list(store.keys()):
-            inner.load_own_variables(store)
-
-    private_api.keras_load_own_variables_once(inner, load_unless_empty)
-
-
 def load_own_variables(optimizer, store):
-    """Restores what `save_own_variables` (of any version) wrote, or a plain
+    """Restores what `save_own_variables` of any release wrote, or a plain
     optimizer's store into the inner optimizer (the scale keeps its initial
-    value, as with a plain checkpoint).
-
-    Like Keras, an optimizer whose variable count matches neither layout
-    (typically: not built yet) is left untouched with a warning, the loss
-    scale included: a restored scale with fresh counters and slots would be
-    a state no training run ever had.
+    value). Like Keras, an optimizer whose variable count matches neither
+    (not built yet) is left untouched, scale included, with a warning: a
+    restored scale with fresh slots would be a state no run ever had.
 
     Raises:
       TypeError, ValueError: a stored loss-scale value cannot be assigned
-        exactly to its variable (`LossScale.check_loadable`); nothing was
-        assigned.
+        exactly (`LossScale.check_loadable`); nothing was assigned.
     """
+    inner = optimizer.inner_optimizer
     if _is_plain_store(optimizer, store):
-        for index, variable in enumerate(optimizer.inner_optimizer.variables):
+        for index, variable in enumerate(inner.variables):
             variable.assign(store[str(index)])
-        _expect_empty_inner_store(optimizer.inner_optimizer)
+        # Keras loads the inner optimizer next, from its own entry, which a
+        # plain optimizer's file lacks: its warning ("Skipping variable
+        # loading ... 0 variables") would call the state just loaded lost.
+        def load_unless_empty(inner_store):
+            if list(inner_store.keys()):
+                inner.load_own_variables(inner_store)
+
+        private_api.keras_load_own_variables_once(inner, load_unless_empty)
         return
     indexed = _indexed_variables(optimizer)
     stored_indices = [key for key in store.keys() if key.isdigit()]
@@ -177,16 +108,15 @@ def load_own_variables(optimizer, store):
             f"Skipping variable loading for optimizer '{optimizer.name}', "
             f"because it has {len(indexed)} variables whereas the saved "
             f"optimizer has {len(stored_indices)} variables (a plain "
-            "optimizer's would have "
-            f"{len(optimizer.inner_optimizer.variables)}). This is likely "
+            f"optimizer's would have {len(inner.variables)}). This is likely "
             "because the optimizer has not been built yet: call "
             "optimizer.build(model.trainable_variables) before loading.",
             stacklevel=3)
         return
     loss_scale = optimizer.loss_scale
+    # Older files lack the state added since.
     keys = [_LOSS_SCALE_KEY.format(index)
             for index in range(len(loss_scale.variables))]
-    # Older files lack the state added since.
     stored_scale = [store[key] if key in store.keys() else None
                     for key in keys]
     loss_scale.check_loadable(stored_scale)  # Before anything is assigned.
@@ -206,9 +136,9 @@ class _Alias(private_api.SavedTensors):
 
     A separate object, so the variable keeps its own checkpoint key (a
     variable is saved under the first path that reaches it). Restoring the
-    `placeholder` value leaves the variable alone: that is what 0.1.0 and
-    Keras 3 wrote for their unused own state, and the real value arrives
-    through `inner_optimizer/`.
+    `placeholder` value leaves the variable alone: that is what earlier
+    releases and Keras 3 wrote for their unused own state, and the real value
+    arrives through `inner_optimizer/`.
     """
 
     def __init__(self, variable, placeholder):
@@ -219,8 +149,7 @@ class _Alias(private_api.SavedTensors):
         return {"VARIABLE_VALUE": tf.identity(self.variable)}
 
     def restore_tensors(self, tensors):
-        value = tf.cast(tensors["VARIABLE_VALUE"],
-                        self.variable.dtype)
+        value = tf.cast(tensors["VARIABLE_VALUE"], self.variable.dtype)
         is_placeholder = tf.equal(
             value, tf.constant(self._placeholder, self.variable.dtype))
         # No read-and-write-back: restores of one checkpoint run together, and
@@ -233,12 +162,9 @@ class _Alias(private_api.SavedTensors):
 
 
 def _alias(optimizer, name, variable):
-    """The optimizer's one alias for `variable` under `name`.
-
-    A checkpoint must see the same object each time it asks for the
-    wrapper's dependencies. The cache goes straight into `__dict__`, past
-    Keras' attribute tracking, so it is not itself a dependency.
-    """
+    """The optimizer's one alias for `variable` under `name`: a checkpoint
+    must see the same object each time. Cached in `__dict__`, past Keras'
+    tracking, so that the cache is no dependency."""
     aliases = optimizer.__dict__.setdefault("_checkpoint_aliases", {})
     alias = aliases.get(name)
     if alias is None or alias.variable is not variable:
@@ -251,38 +177,27 @@ def _plain_entries(optimizer):
     `_variables`, its iterations and learning rate by their aliases (a plain
     optimizer's `_variables/0` is its `_iterations`)."""
     inner = optimizer.inner_optimizer
-    entries = []
-    for variable in private_api.keras_own_variables(inner):
-        for name in _PLACEHOLDER_VALUES:
-            if variable is getattr(inner, name):
-                variable = _alias(optimizer, name, variable)
-                break
-        entries.append(variable)
-    return entries
-
-
-def _written_by_plain_optimizer(position, optimizer):
-    """Whether the checkpoint object restored into `optimizer` is a plain
-    optimizer's: every wrapper (0.1.0, Keras 3, this one) has an
-    `inner_optimizer`."""
-    names = private_api.saved_child_names(position, optimizer)
-    return names is not None and "inner_optimizer" not in names
+    named = private_api.trackable_children(inner)
+    aliased = {id(named[name]): name
+               for name in _PLACEHOLDER_VALUES if name in named}
+    return [_alias(optimizer, aliased[id(v)], v) if id(v) in aliased else v
+            for v in private_api.keras_own_variables(inner)]
 
 
 class _PlainVariables(private_api.RestoreReceiver):
-    """The wrapper's `_variables` in checkpoints (see the module docstring).
+    """The wrapper's `_variables` in checkpoints.
 
     Saving, its entries are the inner optimizer's variables (`_plain_entries`).
-    Restoring, it matches none of them by name, so TF hands every entry the
-    checkpoint has under `_variables` and no other name has matched yet to
-    `receive`, which decides where it goes: a plain optimizer's entry to the
-    same index of the inner optimizer's own list, which restores it now if
-    it exists and when Keras appends it otherwise.
+    Restoring, TF hands `receive` every entry the checkpoint has under
+    `_variables` that no other name matched. A plain optimizer's entry goes
+    to the same index of the inner optimizer's own list, restored now if it
+    exists and when Keras appends it otherwise. A wrapper's (every wrapper
+    has an `inner_optimizer`) holds that wrapper's own variables: ignored,
+    its inner state comes through `inner_optimizer/`.
     """
 
     def __init__(self, optimizer):
         self._optimizer = weakref.ref(optimizer)
-        self._verdict = (None, False)  # (restore uid, written by plain)
 
     def children(self):
         optimizer = self._optimizer()
@@ -293,30 +208,13 @@ class _PlainVariables(private_api.RestoreReceiver):
 
     def receive(self, name, position):
         optimizer = self._optimizer()
-        if optimizer is None or not self._from_plain_optimizer(
-                optimizer, position):
+        if optimizer is None:
             return
-        entries = private_api.keras_own_variables(optimizer.inner_optimizer)
-        private_api.defer_restores(entries, name, [position])
-        if name.isdigit() and int(name) < len(entries):
-            private_api.restore_deferred(entries, name, entries[int(name)])
-
-    def _from_plain_optimizer(self, optimizer, position):
-        # Decided once per restore: a large model files many entries.
-        uid, verdict = self._verdict
-        if uid != private_api.restore_uid(position):
-            verdict = _written_by_plain_optimizer(position, optimizer)
-            self._verdict = (private_api.restore_uid(position), verdict)
-        return verdict
-
-
-def _plain_variables(optimizer):
-    """The optimizer's one `_PlainVariables`, cached like `_alias`."""
-    proxy = optimizer.__dict__.get("_checkpoint_plain_variables")
-    if proxy is None:
-        proxy = optimizer.__dict__["_checkpoint_plain_variables"] = (
-            _PlainVariables(optimizer))
-    return proxy
+        saved = self.saved_child_names(position, optimizer)
+        if saved is not None and "inner_optimizer" not in saved:
+            private_api.defer_restores(
+                private_api.keras_own_variables(optimizer.inner_optimizer),
+                name, [position])
 
 
 def hand_pending_restores_to_inner(optimizer):
@@ -330,16 +228,13 @@ def hand_pending_restores_to_inner(optimizer):
     there (at once for a dependency it already has).
     """
     pending = private_api.pending_restores(optimizer)
-    inner = optimizer.inner_optimizer
     for name in [name for name in pending if name not in _WRAPPER_NAMES]:
-        private_api.defer_restores(inner, name, pending.pop(name))
-        existing = private_api.dependency(inner, name)
-        if existing is not None:
-            private_api.restore_deferred(inner, name, existing)
+        private_api.defer_restores(optimizer.inner_optimizer, name,
+                                   pending.pop(name))
 
 
 def checkpoint_children(optimizer, own_children, save_type, **kwargs):
-    """The wrapper's checkpoint dependencies (see the module docstring).
+    """The wrapper's checkpoint dependencies (docs/guides/saving.md).
 
     Args:
       optimizer: the LossScaleOptimizer.
@@ -369,5 +264,7 @@ def checkpoint_children(optimizer, own_children, save_type, **kwargs):
     # Later state (LATER_STATE_KEYS) is left out: a dependency that older
     # checkpoints lack would fail their `assert_consumed()`.
     children["_skipped_steps"] = own_children["_skipped_steps"]
-    children[private_api.KERAS_VARIABLES] = _plain_variables(optimizer)
+    # One object per optimizer (cached past Keras' tracking, as `_alias`).
+    children[private_api.KERAS_VARIABLES] = optimizer.__dict__.setdefault(
+        "_checkpoint_plain_variables", _PlainVariables(optimizer))
     return children

@@ -13,7 +13,6 @@ mirrored, and parameter-server workers apply updates asynchronously.
 import tensorflow as tf
 
 from tf_lossscale.ops import finiteness
-from tf_lossscale._internal import private_api
 
 _UNSUPPORTED_STRATEGIES = (
     tf.distribute.experimental.ParameterServerStrategy,
@@ -96,7 +95,8 @@ def call_for_each_replica(fn, *args):
     strategy = strategy_in_use()
     if strategy is None:
         return fn(*args)
-    return private_api.call_for_each_replica(strategy, fn, args)
+    # Every `strategy.extended` is a tf.compat.v1.distribute.StrategyExtended.
+    return strategy.extended.call_for_each_replica(fn, args=args)
 
 
 def local_results(value):
@@ -113,8 +113,8 @@ def local_results(value):
 def _replica_sum(strategy, flags_fn, args):
     """Each replica's `flags_fn(*args)`, as float32, summed over all replicas
     and workers with one all-reduce."""
-    per_replica = private_api.call_for_each_replica(
-        strategy, lambda *a: tf.cast(flags_fn(*a), tf.float32), args)
+    per_replica = strategy.extended.call_for_each_replica(
+        lambda *a: tf.cast(flags_fn(*a), tf.float32), args=args)
     return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
 

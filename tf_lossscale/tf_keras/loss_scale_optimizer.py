@@ -47,7 +47,7 @@ from tf_lossscale._internal import versions
 # Before tf_keras' internals below are reached: an older tf-keras than
 # supported fails here with an ImportError that says what to install; a newer
 # one than tested gets a warning (unless `import tf_lossscale` gave it).
-versions.warn_untested([versions.check_tf_keras()])
+versions.warn_untested([versions.check(versions.TF_KERAS)])
 
 import tensorflow as tf
 import tf_keras
@@ -92,7 +92,7 @@ def _track_tf22_slot_placeholder(wrapper, inner_optimizer):
     # Tracked on the inner optimizer, as everything the wrapper tracks.
     private_api.track(
         wrapper,
-        private_api.tf_keras_fake_optimizer_for_restoration(inner_optimizer),
+        _tf_keras_lso.FakeOptimizerForRestoration(inner_optimizer),
         "base_optimizer")
 
 
