@@ -22,7 +22,6 @@ import tensorflow as tf
 
 import tf_lossscale
 from tf_lossscale import demo
-from tf_lossscale.diagnosis import run as diagnosis
 
 from tests.support import float16_models  # pylint: disable=g-bad-import-order
 from tests.support import strategies  # pylint: disable=g-bad-import-order
@@ -56,6 +55,31 @@ def test_report_names_the_layer_whose_outputs_overflow(overflowing):
     assert any(line.startswith("Keep layer 'boom' in float32")
                for line in advice)
     assert "<- first non-finite output" in str(report)
+
+
+def test_most_of_the_model_in_float32_advises_bfloat16(overflowing,
+                                                      underflowing):
+    _, _, report = overflowing
+    # "boom" and "after" of the three float16 layers; no scale helps.
+    assert report.keep_in_float32 == ["boom", "after"]
+    assert "mixed_bfloat16" in report.advice()[-1]
+    assert not any("bfloat16" in line for line in underflowing[2].advice())
+
+
+def test_loss_scale_follows_the_advised_range(overflowing, underflowing):
+    low, high = underflowing[2].loss_scale_range
+    loss_scale = underflowing[2].loss_scale()
+
+    assert isinstance(loss_scale, tf_lossscale.DynamicLossScale)
+    assert loss_scale.initial_loss_scale == max(low, high / 2)
+    assert loss_scale.min_loss_scale == low
+    assert loss_scale.max_loss_scale is None
+    assert loss_scale.get_config() == dict(
+        tf_lossscale.DynamicLossScale().get_config(),
+        initial_loss_scale=max(low, high / 2), min_loss_scale=low)
+    # No range: the default rule.
+    assert overflowing[2].loss_scale().get_config() == (
+        tf_lossscale.DynamicLossScale().get_config())
 
 
 def test_activation_figures_are_the_layers_outputs(overflowing):
@@ -454,6 +478,9 @@ def test_tf_keras_models_are_diagnosed_in_a_tf_keras_process():
 
     assert set(results) == {
         "diagnosis_leaves_the_model_as_it_was",
+        "fix_gets_underflowing_gradients_to_the_variables",
+        "fix_of_a_healthy_model_changes_no_dtype",
+        "fix_under_mirrored_keeps_float16_after_the_normalization",
         "monitor_logs_gradient_stats",
         "overflowing_layer_is_named",
         "underflowing_variables_are_named_with_a_higher_scale",

@@ -10,6 +10,10 @@ module to build with.
 * `underflowing_model`: the output layer's kernel is ~1e-3 and the targets
   are tiny, so at loss scale 1 the hidden layer's gradients fall below
   float16's subnormal range (~6e-8) and flush to 0.
+* `normalized_model`: layer "boom" overflows float16 as above, but a
+  LayerNormalization ("norm") brings its outputs back into range before the
+  float16 layers after it.
+* `healthy_model`: a small Sequential classifier that float16 holds.
 """
 
 import numpy as np
@@ -42,6 +46,42 @@ def overflowing_model(keras, seed=0):
         "softmax", dtype="float32", name="probabilities")(h)
     model = keras.Model(x, probabilities, name="overflowing")
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model
+
+
+def normalized_model(keras, seed=0):
+    keras.utils.set_random_seed(seed)
+    x = keras.Input((FEATURES,))
+    h = keras.layers.Dense(16, activation="relu", dtype="mixed_float16",
+                           name="ok")(x)
+    h = keras.layers.Dense(
+        16, dtype="mixed_float16", name="boom",
+        kernel_initializer=keras.initializers.RandomNormal(stddev=3e4,
+                                                           seed=seed))(h)
+    h = keras.layers.LayerNormalization(dtype="mixed_float16", name="norm")(h)
+    h = keras.layers.Dense(16, activation="relu", dtype="mixed_float16",
+                           name="after")(h)
+    h = keras.layers.Dense(4, dtype="mixed_float16", name="logits")(h)
+    probabilities = keras.layers.Activation(
+        "softmax", dtype="float32", name="probabilities")(h)
+    model = keras.Model(x, probabilities, name="normalized")
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    return model
+
+
+def healthy_model(keras, seed=0):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([
+        keras.Input((FEATURES,)),
+        keras.layers.Dense(16, activation="relu", dtype="mixed_float16",
+                           name="hidden"),
+        keras.layers.Dense(4, dtype="mixed_float16", name="logits"),
+        keras.layers.Activation("softmax", dtype="float32",
+                                name="probabilities"),
+    ], name="healthy")
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
     return model
 
 

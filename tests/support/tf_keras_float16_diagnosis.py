@@ -59,6 +59,9 @@ def underflowing_variables_are_named_with_a_higher_scale():
     assert set(hidden) <= set(report.underflowing_variables), report
     assert report.loss_scale_range[0] > 1, report
     assert report.keep_in_float32 == [], report
+    # tf-keras computes the loss in the float16 output's dtype: the scaled
+    # loss itself overflows above 65504.
+    assert report.loss_scale_range[1] < 65504, report
 
 
 @check
@@ -93,6 +96,104 @@ def under_mirrored_layer_figures_are_the_whole_batchs():
     whole = tf_lossscale.diagnose(single, data, scales=_SCALES).as_dict()
     assert mirrored["replicas"] == 2
     assert mirrored["layers"] == whole["layers"]
+
+
+def _policies(model):
+    return {layer.name: layer.dtype_policy.name for layer in model.layers
+            if not isinstance(layer, keras.layers.InputLayer)}
+
+
+def _fit(model, data):
+    x, y = (np.concatenate(parts) for parts in zip(*data))
+    return model.fit(x, y, batch_size=16, epochs=2, verbose=0,
+                     callbacks=[tf_lossscale.LossScaleMonitor()]).history
+
+
+@check
+def fix_under_mirrored_keeps_float16_after_the_normalization():
+    strategy = strategies.mirrored(2)
+    with strategy.scope():
+        model = float16_models.normalized_model(keras)
+    variables = model.trainable_variables
+    rng = np.random.default_rng(0)
+    grads = [rng.standard_normal(v.shape).astype(np.float32)
+             for v in variables]
+    # A step of the optimizer: slots and a step count to leave alone.
+    strategy.run(lambda: model.optimizer.apply_gradients(
+        zip(grads, variables)))
+
+    def state():
+        return ([w.numpy().tobytes() for w in model.weights],
+                [v.numpy().tobytes() for v in model.optimizer.variables()],
+                model.optimizer, model.optimizer.get_config(),
+                int(model.optimizer.iterations.numpy()), _policies(model),
+                keras.mixed_precision.global_policy().name)
+
+    before = state()
+    data = float16_models.overflowing_data()
+    report = tf_lossscale.diagnose(model, data, scales=_SCALES)
+    assert report.keep_in_float32 == ["boom"], report
+
+    fixed = report.fix(model)
+
+    assert state() == before and before[4] == 1
+    # tf-keras' LayerNormalization takes its inputs in float16: a float32
+    # "boom" alone overflows there, so "norm" joins it; nothing after.
+    assert _policies(fixed) == dict(_policies(model), boom="float32",
+                                    norm="float32"), _policies(fixed)
+    assert fixed.distribute_strategy is strategy
+    history = _fit(fixed, data)
+    assert history["skipped_steps"] == [0, 0], history
+    assert np.isfinite(history["loss"]).all(), history
+
+
+@check
+def fix_gets_underflowing_gradients_to_the_variables():
+    model = float16_models.underflowing_model(
+        keras, optimizer=tf_lossscale.LossScaleOptimizer(
+            keras.optimizers.SGD(0.1),
+            tf_lossscale.DynamicLossScale(initial_loss_scale=1.0)))
+    data = float16_models.underflowing_data()
+    fixed = tf_lossscale.diagnose(model, data, scales=_SCALES).fix(model)
+    twin = float16_models.float32_copy(keras, model)
+
+    def scaled_hidden_grads(network, x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.mean_squared_error(
+                y, tf.cast(network(x, training=True), tf.float32)))
+            if network is not twin:
+                loss = network.optimizer.get_scaled_loss(loss)
+        return tape.gradient(loss, network.trainable_variables[0]).numpy()
+
+    assert _policies(fixed) == _policies(model)
+    repaired = []
+    for x, y in data:
+        reached = scaled_hidden_grads(twin, x, y) != 0
+        assert reached.any()
+        assert (np.abs(scaled_hidden_grads(model, x, y)[reached])
+                < 2.0**-14).all()
+        repaired.append(scaled_hidden_grads(fixed, x, y)[reached])
+    repaired = np.concatenate(repaired)
+    assert (repaired != 0).all()
+    # Normal in float16 but for the report's tolerance.
+    assert np.mean(np.abs(repaired) < 2.0**-14) <= 0.01
+    assert _fit(fixed, data)["skipped_steps"] == [0, 0]
+
+
+@check
+def fix_of_a_healthy_model_changes_no_dtype():
+    model = float16_models.healthy_model(keras)
+    report = tf_lossscale.diagnose(model, float16_models.overflowing_data(),
+                                   scales=_SCALES)
+    assert report.keep_in_float32 == [] and report.loss_scale_range
+
+    fixed = report.fix(model)
+
+    assert isinstance(fixed, keras.Sequential)
+    assert _policies(fixed) == _policies(model)
+    assert isinstance(fixed.optimizer, tf_lossscale.LossScaleOptimizer)
+    assert fixed.optimizer.inner_optimizer.get_config() == (
+        model.optimizer.get_config())
 
 
 @check

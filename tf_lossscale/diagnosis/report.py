@@ -1,33 +1,13 @@
-"""`Float16Diagnosis`: the figures of `tf_lossscale.diagnose`, its advice,
-and three ways to read them (text, a dict, a plot).
-
-Headroom is counted in powers of 2 below float16's largest value, 65504
-(2**15.9994): a headroom of 3 means the value could grow 8-fold before it
-overflows; a negative headroom means it does not fit. An output's or a
-variable's gradient headroom is that of its gradient at loss scale 1, so it
-is also the log2 of the largest loss scale that gradient can take.
-
-The advice:
-
-* the loss scale range: its top is the largest probed scale up to which
-  the float16 backward pass (outputs' gradients of float16 layers
-  included, not only the variables' gradients) overflowed on at most
-  `overflow_tolerance` of the batches (5%: none of fewer than 20),
-  measured; its bottom the smallest probed scale at which every float16
-  variable loses at most `underflow_tolerance` (1%) more of its gradient to
-  underflow than at the top;
-* the layers to keep in float32: float16 layers whose outputs reach within
-  a factor 2 of 65504 (`ACTIVATION_MARGIN_LOG2`) or beyond it, layers whose
-  gradients still underflow at the top of the range, and, when even the
-  lowest probed scale overflows, the layers whose gradients overflow there.
+"""`Float16Diagnosis`: what `tf_lossscale.diagnose` measured, its advice, and
+what to do with it: a loss scale, a fixed model, and three views (text, a
+dict, a plot). What each figure means: docs/guides/float16-troubleshooting.md.
 """
 
-import math
-
-import numpy as np
+import copy
 
 from tf_lossscale.diagnosis import advice as advice_lib
 from tf_lossscale.diagnosis import text
+from tf_lossscale.loss_scales import dynamic_loss_scale
 from tf_lossscale.ops import float16
 
 # Default tolerances: the share of batches that may overflow at the top of
@@ -35,224 +15,117 @@ from tf_lossscale.ops import float16
 # bottom than at its top.
 OVERFLOW_TOLERANCE = 0.05
 UNDERFLOW_TOLERANCE = 0.01
-ACTIVATION_MARGIN_LOG2 = advice_lib.ACTIVATION_MARGIN_LOG2
-
-
-def headroom_log2(largest):
-    """log2(65504 / largest); None for no value (0 or not measured)."""
-    if largest is None or largest == 0 or math.isnan(largest):
-        return None
-    if math.isinf(largest):
-        return -math.inf
-    return float16.FLOAT16_MAX_LOG2 - math.log2(largest)
-
-
-def _float_or_none(value, keep):
-    return float(value) if keep else None
 
 
 class Float16Diagnosis:
     """The result of `tf_lossscale.diagnose`: what float16 did to a model on
     a few batches, and what to change.
 
-    `print(report)` (or `str(report)`) gives a readable report;
-    `as_dict()` the same figures as plain Python values; `plot(path)` a
-    figure. Attributes: `loss_scale_range` (`(lowest, highest)` advised, or
-    None), `keep_in_float32` (layer names), `first_nonfinite_layer` (a
-    layer name or None), `underflowing_variables` (variable names).
+    `print(report)` gives a readable report, `as_dict()` the same figures as
+    plain Python values, `plot(path)` a figure; `loss_scale()` a loss scale
+    for the advised range and `fix(model)` the model rebuilt to train.
+    Attributes: `loss_scale_range` (`(lowest, highest)` advised, or None),
+    `keep_in_float32` (layer names), `first_nonfinite_layer` (a layer name
+    or None), `underflowing_variables` (variable names).
+
+    For `fix`, the report keeps what `diagnose` ran with: references to its
+    batches (not copies) and its loss.
     """
 
-    def __init__(self, *, layers, variables, scales, batches, replicas,
-                 overflow_tolerance, underflow_tolerance, **figures):
-        self._scales = [float(s) for s in scales]
-        self._batches = batches
-        self._replicas = replicas
-        self._overflow_tolerance = overflow_tolerance
-        self._tolerance = underflow_tolerance
-        self._layers = [dict(row) for row in layers]
-        self._variables = [dict(row) for row in variables]
-        self._input_nonfinite = int(figures["input_nonfinite_batches"])
-        self._forward_nonfinite = int(figures["forward_nonfinite_batches"])
-        self._overflow = [int(n) for n in figures["overflow_batches"]]
-        self._fill_layers(figures)
-        self._fill_variables(figures)
+    def __init__(self, figures, arguments):
+        self._figures = figures
+        self._arguments = arguments
         self.first_nonfinite_layer = next(
-            (row["name"] for row in self._layers
+            (row["name"] for row in figures["layers"]
              if row["nonfinite_batches"]), None)
-        self._top = advice_lib.top_index(
-            self._overflow, self._measured_batches(),
-            self._overflow_tolerance)
-        self._bottom = advice_lib.bottom_index(
-            self._top, self._variables, self._tolerance)
-        self.loss_scale_range = (
-            None if self._top is None else
-            (self._scales[self._bottom], self._scales[self._top]))
+        scales = figures["scales"] = arguments["scales"]
+        tolerance = arguments["underflow_tolerance"]
+        top = advice_lib.top_index(figures, arguments["overflow_tolerance"])
+        self.loss_scale_range = None
+        if top is not None:
+            bottom = advice_lib.bottom_index(top, figures["variables"],
+                                             tolerance)
+            self.loss_scale_range = (scales[bottom], scales[top])
         self.underflowing_variables = [
-            row["name"] for row in self._variables
+            row["name"] for row in figures["variables"]
             if row["underflow_share"] is not None
-            and row["underflow_share"][0] > self._tolerance]
-        self._reasons = advice_lib.float32_reasons(
-            self._layers, self._variables, self._scales, self._top,
-            self._measured_batches(), self._tolerance)
+            and row["underflow_share"][0] > tolerance]
+        self._reasons = advice_lib.float32_reasons(figures, top, tolerance)
         self.keep_in_float32 = list(self._reasons)
 
-    # Figures.
+    def loss_scale(self):
+        """A new `DynamicLossScale` for the advised range `(low, high)`:
+        starting at `max(low, high / 2)`, with `low` as its floor and no
+        ceiling; `DynamicLossScale()` without a range. Create it under the
+        strategy's scope to share it between replicas."""
+        if self.loss_scale_range is None:
+            return dynamic_loss_scale.DynamicLossScale()
+        low, high = self.loss_scale_range
+        return dynamic_loss_scale.DynamicLossScale(
+            initial_loss_scale=max(low, high / 2), min_loss_scale=low)
 
-    def _fill_layers(self, figures):
-        for index, row in enumerate(self._layers):
-            reached = bool(figures["gradient_reached"][index])
-            float32_max = float(figures["activation_max_float32"][index])
-            gradient_max = _float_or_none(figures["gradient_max"][index],
-                                          reached)
-            # Against float16's range only where float16 holds the values.
-            in_float16 = row["compute_dtype"] == "float16"
-            row.update(
-                activation_max=float(figures["activation_max"][index]),
-                activation_max_float32=float32_max,
-                activation_headroom_log2=(
-                    headroom_log2(float32_max) if in_float16 else None),
-                gradient_max=gradient_max,
-                gradient_headroom_log2=(
-                    headroom_log2(gradient_max) if in_float16 else None),
-                nonfinite_batches=int(
-                    figures["output_nonfinite_batches"][index]))
+    def fix(self, model):
+        """A new compiled model: `model` (the one diagnosed: functional or
+        Sequential, Keras 3 or tf-keras, compiled) rebuilt with the layers
+        float16 cannot hold in float32, every other layer's dtype policy
+        kept, and its weights. Before it is returned, it is diagnosed on the
+        same batches and the layers still named join the float32 ones until
+        its forward pass is finite. Compiled with the original's compile
+        settings and a `LossScaleOptimizer` around a new inner optimizer from
+        the original's config, with its own diagnosis' `loss_scale()`; the
+        optimizer's slots and step count do not carry over. `model` is left
+        as it was. The guide (float16-troubleshooting.md) has the details.
 
-    def _measured_batches(self):
-        """Batches whose float16 forward pass was finite: the only ones
-        whose backward pass can be compared."""
-        return self._batches - self._forward_nonfinite - self._input_nonfinite
-
-    def _fill_variables(self, figures):
-        underflow = np.asarray(figures["underflow"])
-        for index, row in enumerate(self._variables):
-            nonzero = float(figures["nonzero"][index])
-            largest = float(figures["variable_gradient_max"][index])
-            measured = row["compute_dtype"] == "float16" and (
-                self._measured_batches() > 0)
-            row.update(
-                gradient_max=largest,
-                gradient_headroom_log2=(
-                    headroom_log2(largest)
-                    if row["compute_dtype"] == "float16" else None),
-                nonzero_values=int(nonzero),
-                underflow_share=(
-                    [float(u / nonzero) if nonzero else 0.0
-                     for u in underflow[:, index]] if measured else None),
-                nonfinite_batches=[
-                    int(n) for n in
-                    np.asarray(figures["variable_nonfinite_batches"])[
-                        :, index]])
+        Raises:
+          TypeError: `model` is not a functional or Sequential model, or
+            cannot be rebuilt from its config.
+          ValueError: `model` is not the model diagnosed, or not compiled;
+            no choice of float32 layers makes the forward pass finite (NaN
+            or Inf in the inputs, or in a float32 layer's outputs).
+        """
+        # pylint: disable=g-import-not-at-top
+        from tf_lossscale.diagnosis import fix
+        return fix.fixed_model(model, self.as_dict(), self._arguments)
 
     def overflow_bound_log2(self):
         """log2 of the largest loss scale the float16 gradients measured in
         float32 allow (outputs' and variables' gradients of float16 layers);
         None if no such gradient was measured."""
-        largest = [row["gradient_max"] for row in self._layers
+        largest = [row["gradient_max"] for row in
+                   self._figures["layers"] + self._figures["variables"]
                    if row["compute_dtype"] == "float16"
                    and row["gradient_max"]]
-        largest += [row["gradient_max"] for row in self._variables
-                    if row["compute_dtype"] == "float16"
-                    and row["gradient_max"]]
-        return headroom_log2(max(largest)) if largest else None
-
-    # Advice in words.
+        return float16.headroom_log2(max(largest)) if largest else None
 
     def advice(self):
         """The advice, as a list of sentences."""
-        lines = self._cause_lines() + self._scale_lines()
-        for name, reason in self._reasons.items():
-            lines.append(f"Keep layer {name!r} in float32 (dtype=\"float32\"):"
-                         f" {reason}.")
-        return lines or ["Nothing to change."]
-
-    def _cause_lines(self):
-        lines = []
-        if self._input_nonfinite:
-            lines.append(
-                f"{self._input_nonfinite} of {self._batches} batches hold NaN "
-                "or Inf in their inputs: fix the data; no dtype or loss scale "
-                "helps with that.")
-        if self.first_nonfinite_layer is not None:
-            lines.append(
-                f"The forward pass in float16 is not finite from layer "
-                f"{self.first_nonfinite_layer!r} on: no loss scale helps "
-                "(loss scaling acts on gradients only).")
-        return lines
-
-    def _scale_lines(self):
-        lines = []
-        if self.loss_scale_range is not None:
-            lines.append(self._range_line())
-        elif self._measured_batches() > 0 and (
-                self.first_nonfinite_layer is None):
-            lines.append(
-                "The float16 backward pass overflows even at loss scale "
-                f"{text.pow2(self._scales[0])}: no loss scale in the probed "
-                "range avoids it.")
-        if self.underflowing_variables:
-            names = ", ".join(self.underflowing_variables[:5])
-            more = len(self.underflowing_variables) - 5
-            names += f" and {more} more" if more > 0 else ""
-            lines.append(
-                f"At loss scale {text.pow2(self._scales[0])} more than "
-                f"{text.share(self._tolerance)} of the gradient underflows "
-                f"for: {names}.")
-        return lines
-
-    def _range_line(self):
-        low, high = self.loss_scale_range
-        between = (f"of {text.pow2(low)}" if low == high else
-                   f"between {text.pow2(low)} and {text.pow2(high)}")
-        if self._top == len(self._scales) - 1:
-            between += (f" (no overflow up to {text.pow2(high)}, the largest "
-                        "scale probed)")
-        return (f"Use a loss scale {between}: above it the float16 backward "
-                "pass overflows on more than "
-                f"{text.share(self._overflow_tolerance)} of the batches, "
-                "below it more gradient values underflow. A DynamicLossScale "
-                "finds the top by itself; "
-                f"FixedLossScale({text.python_number(high)}) is the fixed "
-                "choice.")
-
-    # The three views.
+        return self.as_dict()["advice"]
 
     def as_dict(self):
         """The report as plain Python values (lists, dicts, floats, ints,
         strings, None)."""
-        return {
-            "batches": self._batches,
-            "replicas": self._replicas,
-            "scales": list(self._scales),
-            "float16": {"max": float16.FLOAT16_MAX,
-                        "min_normal": float16.FLOAT16_MIN_NORMAL,
-                        "min_subnormal": float16.FLOAT16_MIN_SUBNORMAL},
-            "overflow_tolerance": self._overflow_tolerance,
-            "underflow_tolerance": self._tolerance,
-            "input_nonfinite_batches": self._input_nonfinite,
-            "forward_nonfinite_batches": self._forward_nonfinite,
-            "first_nonfinite_layer": self.first_nonfinite_layer,
-            "overflow_batches": list(self._overflow),
-            "overflow_bound_log2": self.overflow_bound_log2(),
-            "layers": [dict(row) for row in self._layers],
-            "variables": [
-                dict(row, underflow_share=(
-                    None if row["underflow_share"] is None
-                    else list(row["underflow_share"])),
-                     nonfinite_batches=list(row["nonfinite_batches"]))
-                for row in self._variables],
-            "loss_scale_range": (None if self.loss_scale_range is None
-                                 else list(self.loss_scale_range)),
-            "keep_in_float32": list(self.keep_in_float32),
-            "underflowing_variables": list(self.underflowing_variables),
-            "advice": self.advice(),
-        }
+        figures = copy.deepcopy(self._figures)
+        figures.update(
+            float16={"max": float16.FLOAT16_MAX,
+                     "min_normal": float16.FLOAT16_MIN_NORMAL,
+                     "min_subnormal": float16.FLOAT16_MIN_SUBNORMAL},
+            overflow_tolerance=self._arguments["overflow_tolerance"],
+            underflow_tolerance=self._arguments["underflow_tolerance"],
+            first_nonfinite_layer=self.first_nonfinite_layer,
+            overflow_bound_log2=self.overflow_bound_log2(),
+            loss_scale_range=(None if self.loss_scale_range is None
+                              else list(self.loss_scale_range)),
+            keep_in_float32=list(self.keep_in_float32),
+            underflowing_variables=list(self.underflowing_variables))
+        figures["advice"] = advice_lib.sentences(figures, self._reasons)
+        return figures
 
     def __str__(self):
         return text.render(self.as_dict())
 
     def __repr__(self):
-        return (f"<Float16Diagnosis: {self._batches} batches, loss scale "
-                f"range {self.loss_scale_range}, keep in float32: "
+        return (f"<Float16Diagnosis: {self._figures['batches']} batches, loss "
+                f"scale range {self.loss_scale_range}, keep in float32: "
                 f"{self.keep_in_float32}>")
 
     def plot(self, path):
@@ -261,12 +134,9 @@ class Float16Diagnosis:
         probed loss scales with the overflowing scales and the advised
         range marked.
 
-        Needs matplotlib (the "plot" extra).
-
         Raises:
-          ImportError: matplotlib is not installed; the message names the
-            extra.
+          ImportError: matplotlib, the "plot" extra, is not installed.
         """
         # pylint: disable=g-import-not-at-top
         from tf_lossscale.diagnosis import plot
-        plot.write(self, path)
+        plot.write(self.as_dict(), path)

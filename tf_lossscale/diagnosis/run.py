@@ -1,42 +1,13 @@
 """`diagnose`: why a float16 run fails, measured on a few batches.
 
     report = tf_lossscale.diagnose(model, dataset, steps=8)
-    print(report)              # a readable report
-    report.as_dict()           # the same figures, for code
-    report.plot("float16.png") # needs the "plot" extra (matplotlib)
+    print(report)                 # a readable report, with its advice
+    fixed = report.fix(model)     # the model rebuilt to train in float16
 
-For each batch the model runs twice, with its weights as they are and
-`training=False` (dropout off, normalization with its moving statistics:
-nothing in the model changes, and both runs compute the same function):
-
-1. in float32, on a float32 twin of the model (`diagnosis_models`): each
-   layer's largest output and output gradient, and each variable's
-   gradient, the reference;
-2. as the model computes (float16 layers in float16), once per probed loss
-   scale (`scales`, powers of 2 from 1 to 2**32 by default): each layer's
-   largest output and whether it is finite, whether any gradient in the
-   backward pass overflowed (outputs' gradients of float16 layers and the
-   variables' gradients), and per variable of a float16 layer the values
-   lost to underflow: zero or subnormal in float16 where the float32
-   gradient is not 0.
-
-The loss is the compiled loss (or `loss=`): the mean of its per-example
-values over the batch, weighted by the batch's sample weights if it has
-them, as Keras' default reduction; the model's regularization losses are
-left out. Under the model's `tf.distribute` strategy each replica runs its
-part of every batch (the batch must split evenly), with its loss scaled to
-its share of the batch as `fit` does; what the replicas measured is
-combined (maxima over replicas, counts summed): the layers' figures are
-those of the whole batch, the variables' gradients each replica's, which
-are the ones float16 holds in training. The model, its optimizer, the
-layers' dtype policies and the global policy are left as they were.
-
-It runs without XLA (which may keep float16 values in float32: TF 2.16's
-XLA on CPU keeps a float16 gradient beyond 65504 finite), and reads a few
-numbers back to the host after every pass.
-
-`Float16Diagnosis` (`diagnosis_report`) turns the figures into the report
-and its advice.
+Each batch runs on a float32 twin of the model (the reference) and as the
+model computes, once per probed loss scale (`passes.py`); `report.py` turns
+the figures into advice. What is measured and why:
+docs/guides/float16-troubleshooting.md.
 """
 
 import itertools
@@ -56,6 +27,13 @@ def diagnose(model, data, steps=8, *, loss=None, scales=DEFAULT_SCALES,
              underflow_tolerance=report.UNDERFLOW_TOLERANCE):
     """Measures where a float16 model overflows and underflows; returns a
     `Float16Diagnosis`.
+
+    Each batch runs with `training=False` in float32 on a twin of the
+    model, then as the model computes at each of `scales`; under a
+    `tf.distribute` strategy each replica runs its part. Runs without XLA,
+    and reads a few numbers back to the host after every pass. The model,
+    its optimizer and the dtype policies are left as they were. What is
+    measured: docs/guides/float16-troubleshooting.md.
 
     Args:
       model: a functional or Sequential Keras model (Keras 3 or tf-keras)
@@ -83,22 +61,15 @@ def diagnose(model, data, steps=8, *, loss=None, scales=DEFAULT_SCALES,
         evenly over the replicas.
     """
     steps, scales = _checked_steps_and_scales(steps, scales)
-    tolerances = {name: _checked_share(name, value) for name, value in (
+    arguments = {name: _checked_share(name, value) for name, value in (
         ("overflow_tolerance", overflow_tolerance),
         ("underflow_tolerance", underflow_tolerance))}
-    loss_fn = _loss_function(model, loss)
+    loss, loss_fn = _loss(model, loss)
     batches = _batches(data, steps)
-    run = passes.Passes(model, loss_fn)
-    figures = passes.Totals(len(scales))
-    for batch in batches:
-        figures.add(run.batch(batch, scales))
-    return report.Float16Diagnosis(
-        layers=run.layer_rows(), variables=run.variable_rows(),
-        scales=list(scales), batches=len(batches),
-        replicas=run.replicas, **tolerances, **figures.totals())
-
-
-# Arguments.
+    arguments.update(data=batches, steps=len(batches), loss=loss,
+                     scales=scales)
+    figures = passes.Passes(model, loss_fn).figures(batches, scales)
+    return report.Float16Diagnosis(figures, arguments)
 
 
 def _checked_steps_and_scales(steps, scales):
@@ -128,8 +99,9 @@ def _checked_share(name, value):
     return float(value)
 
 
-def _loss_function(model, loss):
-    """A function `(y_true, y_pred) -> per-example losses`."""
+def _loss(model, loss):
+    """The loss as given (or compiled), and a function `(y_true, y_pred) ->
+    per-example losses`."""
     models.check_model(model)
     identifier = loss if loss is not None else getattr(model, "loss", None)
     if identifier is None:
@@ -143,7 +115,8 @@ def _loss_function(model, loss):
     function = losses.get(identifier)
     # A Loss object reduces its values itself; `call` gives them per
     # example, to be reduced here as the replicas' shares need.
-    return function.call if isinstance(function, losses.Loss) else function
+    return identifier, (function.call if isinstance(function, losses.Loss)
+                        else function)
 
 
 def _batches(data, steps):

@@ -1,26 +1,9 @@
-"""float16's range, and statistics of tensors against it: pure functions.
+"""float16's range, statistics of tensors against it, and which layers of a
+Keras model compute in float16.
 
-float16 holds magnitudes up to `FLOAT16_MAX` (65504, 2**15.9994). Below
-`FLOAT16_MIN_NORMAL` (2**-14) it keeps fewer significant bits (subnormal
-numbers) down to `FLOAT16_MIN_SUBNORMAL` (2**-24); below half of that a
-value becomes 0. Loss scaling multiplies the gradients by the scale so
-that small ones stay above 2**-14 and large ones below 65504.
-
-The functions here read tensors and return small tensors; nothing is read
-back to the host and no state is kept. The values they read may be float32
-tensors holding float16 values (a float32 variable's gradient under
-`mixed_float16` is the float16 gradient, cast), or float16 tensors.
-`tf.IndexedSlices` count by their values (the rows present); `None` is
-skipped.
-
-* `scaled_gradient_stats(grads, scale)`: what one training step can say
-  about its own gradients without a float32 reference: how many elements
-  are, at loss scale `scale`, zero or subnormal in float16, of how many, and
-  the largest magnitude (`LossScaleMonitor(gradient_stats=True)`).
-* `largest_magnitude(x)`: the largest |value|, +inf if any is not finite.
-* `underflow_count(float16_grad, float32_grad)` and `nonzero_count`: the
-  elements a float16 backward pass lost to underflow, measured against the
-  same step's float32 gradient (`tf_lossscale.diagnose`).
+The tensor functions read float16 tensors, or float32 ones holding float16
+values, and return small tensors: nothing is read back to the host, no state
+is kept. `tf.IndexedSlices` count by their values; `None` is skipped.
 """
 
 import math
@@ -29,11 +12,24 @@ import tensorflow as tf
 
 from tf_lossscale.ops import finiteness
 
+# Below the smallest normal value fewer significant bits remain (subnormal);
+# below half the smallest subnormal a value becomes 0.
 FLOAT16_MAX = 65504.0
 FLOAT16_MIN_NORMAL = 2.0 ** -14
 FLOAT16_MIN_SUBNORMAL = 2.0 ** -24
 # log2(FLOAT16_MAX): headroom is measured in powers of 2 below it.
 FLOAT16_MAX_LOG2 = math.log2(FLOAT16_MAX)
+
+
+def headroom_log2(largest):
+    """log2(65504 / largest), a Python float: how many times `largest` (a
+    Python number) could double before it overflows float16; -inf for +inf,
+    None for 0, NaN or None (no value)."""
+    if largest is None or largest == 0 or math.isnan(largest):
+        return None
+    if math.isinf(largest):
+        return -math.inf
+    return FLOAT16_MAX_LOG2 - math.log2(largest)
 
 
 def _values(tensor):
@@ -75,25 +71,21 @@ def element_count(tensors):
 
 
 def scaled_gradient_stats(grads, scale):
-    """One step's gradients against float16's range, at loss scale `scale`.
+    """One step's gradients against float16's range, at loss scale `scale`
+    (what `LossScaleMonitor(gradient_stats=True)` logs).
 
     Args:
-      grads: the step's *unscaled* gradients (a tensor or a nested structure;
-        `None` skipped), as the float16 backward pass delivered them at
-        `scale` and divided by it.
+      grads: the step's *unscaled* gradients (a tensor or a nested
+        structure), as the float16 backward pass delivered them at `scale`
+        and divided by it.
       scale: the loss scale the step ran with, a scalar.
 
     Returns:
       A float32 vector `[tiny, count, largest]`: `tiny` values whose scaled
-      magnitude `|scale * g|` is below 2**-14 (zero or subnormal in float16:
-      genuine zeros included, which only a float32 reference could tell
-      apart), out of `count` values; `largest`, the largest scaled magnitude,
-      +inf if any value is NaN or +-Inf. For a power-of-2 scale, `scale * g`
-      is exactly the float16 value the backward pass produced.
-
-    Per gradient: one |g|, read twice (a maximum, a count against
-    2**-14 / scale, so no product is formed), and the exact finiteness check
-    of `gradient_checks` (under XLA a maximum skips NaN).
+      magnitude `|scale * g|` is below 2**-14 (zero or subnormal in float16,
+      genuine zeros included), out of `count` values; `largest`, the largest
+      scaled magnitude, +inf if any value is NaN or +-Inf (the exact check:
+      under XLA a maximum skips NaN).
     """
     present = _present(grads)
     scale = tf.cast(scale, tf.float32)
@@ -119,13 +111,11 @@ def nonzero_count(float32_grad):
 
 
 def underflow_count(float16_grad, float32_grad):
-    """Values lost to float16 underflow, a float32 scalar.
-
-    Counts the positions where `float16_grad` (a float16 backward pass's
-    gradient, scaled, possibly cast to float32) is zero or subnormal in
-    float16 while `float32_grad` (the same step's gradient computed in
-    float32, of the same shape) is not 0.
-    """
+    """Values lost to float16 underflow, a float32 scalar: the positions
+    where `float16_grad` (a float16 backward pass's gradient, scaled,
+    possibly cast to float32) is zero or subnormal in float16 while
+    `float32_grad` (the same step's gradient computed in float32, of the
+    same shape) is not 0."""
     lost = tf.logical_and(
         tf.abs(tf.cast(_values(float16_grad), tf.float32))
         < FLOAT16_MIN_NORMAL,
@@ -134,7 +124,6 @@ def underflow_count(float16_grad, float32_grad):
 
 
 # Which layers of a Keras model compute in float16, and what they own.
-
 
 
 def compute_dtype(layer):

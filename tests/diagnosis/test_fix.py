@@ -1,0 +1,266 @@
+"""`Float16Diagnosis.fix`: from the diagnosis to a model that trains.
+
+On the models of `tests/support/float16_models.py`: a forward pass that
+overflows before a normalization gets only the layers it must in float32
+and trains with no skipped step (also under MirroredStrategy); gradients that
+underflow at a loss scale stuck at 1 reach the fixed model's variables; a
+healthy model keeps every dtype; the original model is left bit-identical.
+tf-keras: `tests/support/tf_keras_float16_diagnosis.py`.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_lossscale
+
+from tests.support import float16_models  # pylint: disable=g-bad-import-order
+from tests.support import strategies  # pylint: disable=g-bad-import-order
+
+pytestmark = pytest.mark.usefixtures("keras_isolation")
+
+_SCALES = [2.0**k for k in range(0, 33, 2)]
+
+
+def _policies(model):
+    return {layer.name: layer.dtype_policy.name for layer in model.layers
+            if not isinstance(layer, keras.layers.InputLayer)}
+
+
+def _arrays(data):
+    return tuple(np.concatenate(parts) for parts in zip(*data))
+
+
+def _fit_skips(model, data, epochs=2):
+    x, y = _arrays(data)
+    history = model.fit(x, y, batch_size=float16_models.BATCH,
+                        epochs=epochs, verbose=0,
+                        callbacks=[tf_lossscale.LossScaleMonitor()])
+    return history.history
+
+
+# A forward pass that overflows before a normalization.
+
+
+def _check_normalized_fix(model, data):
+    report = tf_lossscale.diagnose(model, data, scales=_SCALES)
+    assert report.first_nonfinite_layer == "boom"
+    before = [w.numpy() for w in model.weights]
+
+    fixed = report.fix(model)
+
+    policies = _policies(model)
+    # Keras 3's LayerNormalization computes in float32 inside, so its
+    # float32 inputs need nothing more; the layers after it stay float16.
+    assert _policies(fixed) == dict(policies, boom="float32")
+    assert fixed is not model and fixed.loss == model.loss
+    for old, new in zip(before, fixed.weights):
+        assert old.tobytes() == new.numpy().tobytes()
+    for x, _ in data:
+        assert np.isfinite(fixed(x)).all()
+    history = _fit_skips(fixed, data)
+    assert history["skipped_steps"] == [0, 0]
+    assert np.isfinite(history["loss"]).all()
+    assert "accuracy" in history
+    return fixed
+
+
+def test_fix_keeps_float16_after_the_normalization_and_trains():
+    _check_normalized_fix(float16_models.normalized_model(keras),
+                          float16_models.overflowing_data())
+
+
+def test_fix_under_mirrored_trains_every_replica():
+    strategy = strategies.mirrored(2)
+    with strategy.scope():
+        model = float16_models.normalized_model(keras)
+
+    fixed = _check_normalized_fix(model, float16_models.overflowing_data())
+
+    assert fixed.distribute_strategy is strategy
+    assert isinstance(fixed.optimizer, tf_lossscale.LossScaleOptimizer)
+    values = fixed.get_layer("boom").kernel.value.values
+    assert len(values) == 2
+    assert values[0].numpy().tobytes() == values[1].numpy().tobytes()
+
+
+# Gradients that underflow at a loss scale stuck at 1.
+
+
+def _scaled_float16_grads(model, x, y):
+    """The gradients a train step of `model` hands its optimizer, still
+    scaled, as its float32 variables receive them from float16."""
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(keras.losses.mean_squared_error(
+            y, tf.cast(model(x, training=True), tf.float32)))
+        scaled = model.optimizer.scale_loss(loss)
+    return [np.asarray(g)
+            for g in tape.gradient(scaled, model.trainable_variables)]
+
+
+def test_fix_gets_underflowing_gradients_to_the_variables():
+    model = float16_models.underflowing_model(
+        keras, optimizer=tf_lossscale.LossScaleOptimizer(
+            keras.optimizers.SGD(0.1),
+            tf_lossscale.DynamicLossScale(initial_loss_scale=1.0)))
+    data = float16_models.underflowing_data()
+    report = tf_lossscale.diagnose(model, data, scales=_SCALES)
+
+    fixed = report.fix(model)
+
+    assert _policies(fixed) == _policies(model)
+    low, high = report.loss_scale_range
+    assert float(fixed.optimizer.loss_scale()) == max(low, high / 2) > 1
+    twin = float16_models.float32_copy(keras, model)
+    repaired = []
+    for x, y in data:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.mean_squared_error(y, twin(x)))
+        # The hidden layer's kernel: non-zero in float32.
+        reached = np.asarray(tape.gradient(loss, twin.trainable_variables[0]))
+        reached = reached != 0
+        assert reached.any()
+        # At scale 1 float16 flushes them to 0 or keeps a few bits of them
+        # (subnormal).
+        original = _scaled_float16_grads(model, x, y)[0][reached]
+        assert (np.abs(original) < 2.0**-14).all()
+        repaired.append(_scaled_float16_grads(fixed, x, y)[0][reached])
+    # In the fixed model each one arrives, normal but for the report's
+    # tolerance.
+    repaired = np.concatenate(repaired)
+    assert (repaired != 0).all()
+    assert np.mean(np.abs(repaired) < 2.0**-14) <= 0.01
+    assert _fit_skips(fixed, data)["skipped_steps"] == [0, 0]
+
+
+# A model float16 holds.
+
+
+def test_fix_of_a_healthy_model_changes_no_dtype():
+    model = float16_models.healthy_model(keras)
+    report = tf_lossscale.diagnose(model, float16_models.overflowing_data(),
+                                   scales=_SCALES)
+    assert report.keep_in_float32 == [] and report.loss_scale_range
+
+    fixed = report.fix(model)
+
+    assert isinstance(fixed, keras.Sequential)
+    assert _policies(fixed) == _policies(model)
+    assert fixed.optimizer.loss_scale.get_config() == (
+        report.loss_scale().get_config())
+    inner = fixed.optimizer.inner_optimizer
+    assert inner is not model.optimizer and int(inner.iterations) == 0
+    assert inner.get_config() == model.optimizer.get_config()
+
+
+# The original is left as it was.
+
+
+def _state(model):
+    return {
+        "weights": [w.numpy().tobytes() for w in model.weights],
+        "optimizer": [v.numpy().tobytes() for v in model.optimizer.variables],
+        "optimizer_object": model.optimizer,
+        "optimizer_config": model.optimizer.get_config(),
+        "iterations": int(model.optimizer.iterations),
+        "policies": _policies(model),
+        "global": keras.mixed_precision.global_policy().name,
+    }
+
+
+@pytest.mark.parametrize("global_policy", ["float32", "mixed_float16"])
+def test_fix_leaves_the_original_as_it_was(global_policy):
+    keras.mixed_precision.set_global_policy(global_policy)
+    model = float16_models.normalized_model(keras)
+    data = float16_models.overflowing_data()
+    # A step of the optimizer: slots and a step count to leave alone (fit
+    # would write NaN into the weights: this model overflows).
+    rng = np.random.default_rng(0)
+    variables = model.trainable_variables
+    model.optimizer.apply([rng.standard_normal(v.shape).astype(np.float32)
+                           for v in variables], variables)
+    before = _state(model)
+    assert before["iterations"] == 1
+    report = tf_lossscale.diagnose(model, data, scales=_SCALES)
+
+    fixed = report.fix(model)
+
+    assert _state(model) == before
+    assert fixed.optimizer is not model.optimizer
+    assert model.get_layer("boom").dtype_policy.name == "mixed_float16"
+
+
+# What fix refuses.
+
+
+class _Subclassed(keras.Model):
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+@pytest.fixture(scope="module")
+def underflowing_report():
+    model = float16_models.underflowing_model(keras)
+    return tf_lossscale.diagnose(model, float16_models.underflowing_data(),
+                                 scales=[1.0, 2.0**12])
+
+
+def test_fix_refuses_a_subclassed_model_naming_what_it_supports(
+        underflowing_report):
+    model = _Subclassed()
+    model(np.ones((2, 8), np.float32))
+
+    with pytest.raises(TypeError, match="fix supports functional and "
+                       "Sequential models"):
+        underflowing_report.fix(model)
+
+
+def test_fix_refuses_another_model(underflowing_report):
+    with pytest.raises(ValueError, match="not the model this report"):
+        underflowing_report.fix(float16_models.overflowing_model(keras))
+
+
+def test_fix_needs_a_compiled_model():
+    x = keras.Input((float16_models.FEATURES,))
+    model = keras.Model(x, keras.layers.Dense(1, dtype="mixed_float16")(x))
+    report = tf_lossscale.diagnose(model, float16_models.underflowing_data(),
+                                   loss="mse", scales=[1.0])
+
+    with pytest.raises(ValueError, match="is not compiled"):
+        report.fix(model)
+
+
+def test_fix_refuses_inputs_that_hold_nan():
+    model = float16_models.underflowing_model(keras)
+    data = float16_models.underflowing_data()
+    x, y = data[0]
+    data[0] = (np.where(np.arange(x.size).reshape(x.shape) == 5, np.nan, x),
+               y)
+    report = tf_lossscale.diagnose(model, data, scales=[1.0])
+
+    with pytest.raises(ValueError, match="1 of 4 diagnosed batches hold NaN"
+                       ".* no choice of float32 layers"):
+        report.fix(model)
+
+
+def test_fix_refuses_outputs_that_overflow_float32_too():
+    keras.utils.set_random_seed(0)
+    x = keras.Input((float16_models.FEATURES,))
+    h = keras.layers.Dense(
+        16, dtype="mixed_float16", name="huge",
+        kernel_initializer=keras.initializers.Constant(1e38))(x)
+    model = keras.Model(x, keras.layers.Dense(1, name="out")(h))
+    model.compile(optimizer="sgd", loss="mse")
+    report = tf_lossscale.diagnose(model, float16_models.underflowing_data(),
+                                   scales=[1.0])
+    assert report.keep_in_float32 == ["huge"]
+
+    with pytest.raises(ValueError, match="layer 'huge' .* even though it "
+                       "computes in float32 .* no choice of float32 layers"):
+        report.fix(model)

@@ -1,0 +1,61 @@
+"""`Float16Diagnosis.fix`: the diagnosed model rebuilt with the layers float16
+cannot hold in float32, checked on the diagnosed batches and compiled."""
+
+from tf_lossscale.diagnosis import models
+from tf_lossscale.diagnosis import run
+from tf_lossscale.keras3 import loss_scale_optimizer
+from tf_lossscale.ops import float16
+
+
+def fixed_model(model, report, arguments):
+    """`Float16Diagnosis.fix`: `report` is its `as_dict()`, `arguments` what
+    `diagnose` ran with."""
+    models.check_model(model, "fix")
+    names = [layer.name for layer in models.probed_layers(model)]
+    if names != [row["name"] for row in report["layers"]]:
+        raise ValueError(
+            f"model {model.name!r} is not the model this report diagnosed: "
+            f"its layers are {names}")
+    if getattr(model, "optimizer", None) is None:
+        raise ValueError(
+            f"model {model.name!r} is not compiled: fix compiles its copy "
+            "with the original's loss, metrics and optimizer")
+    if report["input_nonfinite_batches"]:
+        raise ValueError(
+            f"{report['input_nonfinite_batches']} of {report['batches']} "
+            "diagnosed batches hold NaN or Inf in their inputs: no choice "
+            "of float32 layers makes the forward pass finite; fix the data")
+    keep = set(report["keep_in_float32"])
+    while True:
+        fixed = models.rebuilt(model, keep)
+        checked = run.diagnose(fixed, **arguments)
+        first = checked.first_nonfinite_layer
+        if first is not None and float16.compute_dtype(
+                fixed.get_layer(first)) != "float16":
+            raise ValueError(
+                f"the outputs of layer {first!r} of model {model.name!r} are "
+                "not finite on the diagnosed batches even though it computes "
+                "in float32 (NaN or Inf in its weights, or values beyond "
+                "float32's range): no choice of float32 layers makes the "
+                "forward pass finite")
+        named = set(checked.keep_in_float32) | ({first} - {None})
+        if named <= keep:
+            break
+        keep |= named
+    _compile(fixed, model, checked.loss_scale, arguments["loss"])
+    return fixed
+
+
+def _compile(fixed, model, loss_scale, loss):
+    """Compiles `fixed` as `model` was compiled, with a new optimizer and
+    `loss_scale()`."""
+    inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+    settings = {key: value for key, value in model.get_compile_config().items()
+                if key not in ("optimizer", "loss")}
+    keras = models.keras_module(model)
+    with model.distribute_strategy.scope():
+        optimizer = loss_scale_optimizer.LossScaleOptimizer(
+            type(inner).from_config(inner.get_config()),
+            loss_scale=loss_scale())
+        fixed.compile(optimizer=optimizer, loss=model.loss or loss,
+                      **keras.saving.deserialize_keras_object(settings))
