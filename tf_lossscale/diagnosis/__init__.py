@@ -1,4 +1,4 @@
 """Why a float16 run fails: `diagnose` and its `Float16Diagnosis`."""
 
 from tf_lossscale.diagnosis.report import Float16Diagnosis
-from tf_lossscale.diagnosis.run import diagnose
+from tf_lossscale.diagnosis.measure import diagnose

@@ -2,14 +2,13 @@
 cannot hold in float32, checked on the diagnosed batches and compiled."""
 
 from tf_lossscale.diagnosis import models
-from tf_lossscale.diagnosis import run
 from tf_lossscale.keras3 import loss_scale_optimizer
 from tf_lossscale.ops import float16
 
 
-def fixed_model(model, report, arguments):
+def fixed_model(model, report, arguments, diagnose):
     """`Float16Diagnosis.fix`: `report` is its `as_dict()`, `arguments` what
-    `diagnose` ran with."""
+    `diagnose` (passed in: it makes reports, which call this) ran with."""
     models.check_model(model, "fix")
     names = [layer.name for layer in models.probed_layers(model)]
     if names != [row["name"] for row in report["layers"]]:
@@ -28,7 +27,7 @@ def fixed_model(model, report, arguments):
     keep = set(report["keep_in_float32"])
     while True:
         fixed = models.rebuilt(model, keep)
-        checked = run.diagnose(fixed, **arguments)
+        checked = diagnose(fixed, **arguments)
         first = checked.first_nonfinite_layer
         if first is not None and float16.compute_dtype(
                 fixed.get_layer(first)) != "float16":

@@ -6,6 +6,7 @@ dict, a plot). What each figure means: docs/guides/float16-troubleshooting.md.
 import copy
 
 from tf_lossscale.diagnosis import advice as advice_lib
+from tf_lossscale.diagnosis import fix as fix_lib
 from tf_lossscale.diagnosis import text
 from tf_lossscale.loss_scales import dynamic_loss_scale
 from tf_lossscale.ops import float16
@@ -32,9 +33,10 @@ class Float16Diagnosis:
     batches (not copies) and its loss.
     """
 
-    def __init__(self, figures, arguments):
+    def __init__(self, figures, arguments, diagnose):
         self._figures = figures
         self._arguments = arguments
+        self._diagnose = diagnose
         self.first_nonfinite_layer = next(
             (row["name"] for row in figures["layers"]
              if row["nonfinite_batches"]), None)
@@ -83,9 +85,8 @@ class Float16Diagnosis:
             no choice of float32 layers makes the forward pass finite (NaN
             or Inf in the inputs, or in a float32 layer's outputs).
         """
-        # pylint: disable=g-import-not-at-top
-        from tf_lossscale.diagnosis import fix
-        return fix.fixed_model(model, self.as_dict(), self._arguments)
+        return fix_lib.fixed_model(model, self.as_dict(), self._arguments,
+                                   self._diagnose)
 
     def overflow_bound_log2(self):
         """log2 of the largest loss scale the float16 gradients measured in

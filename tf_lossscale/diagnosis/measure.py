@@ -69,7 +69,7 @@ def diagnose(model, data, steps=8, *, loss=None, scales=DEFAULT_SCALES,
     arguments.update(data=batches, steps=len(batches), loss=loss,
                      scales=scales)
     figures = passes.Passes(model, loss_fn).figures(batches, scales)
-    return report.Float16Diagnosis(figures, arguments)
+    return report.Float16Diagnosis(figures, arguments, diagnose)
 
 
 def _checked_steps_and_scales(steps, scales):
