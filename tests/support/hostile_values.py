@@ -81,7 +81,10 @@ def _constant(value):
 
 
 def _label(value):
+    """`value`'s repr, the same with every numpy; a long one described."""
     text = repr(value)
+    if type(value).__module__ == "numpy":
+        text = f"np.{type(value).__name__}({value})"
     if len(text) < 30:
         return text
     return f"{type(value).__name__}_of_{len(text)}_chars"
