@@ -180,7 +180,8 @@ def optimizer_config(config, custom_objects, optimizer_types=()):
     key = "inner_optimizer" if "inner_optimizer" in config else "optimizer"
     if key not in config:
         raise ValueError("A LossScaleOptimizer config needs 'inner_optimizer' "
-                         f"(or 'optimizer'), got keys {summary(sorted(config))}")
+                         "(or 'optimizer'), got keys "
+                         f"{summary(sorted(config))}")
     inner = config[key]
     if not (isinstance(inner, optimizer_types) or isinstance(inner, dict)
             and isinstance(inner.get("class_name"), str)
@@ -193,14 +194,14 @@ def optimizer_config(config, custom_objects, optimizer_types=()):
 
 def replica_context():
     """Raises ReplicaContextError in a strategy's cross-replica context."""
-    if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
+    if tf.distribute.has_strategy() and (
+            tf.distribute.in_cross_replica_context()):
         raise ReplicaContextError(
             "LossScaleOptimizer.apply_gradients must be called in a replica "
             "context (strategy.run, model.fit), not under strategy.scope()")
 
 
-# A step's values are checked before the loss scale's update: Keras and TF
-# refuse them only in the inner optimizer's apply, after the scale changed.
+# Checked before the scale's update: Keras refuses a step's values after it.
 
 
 def pairs(grads_and_vars):
@@ -295,6 +296,5 @@ def _gradient(index, grad, variable):
     return grad
 
 
-def _name(variable):
-    """A Keras 3 variable's path, or a TensorFlow variable's name."""
+def _name(variable):  # A Keras 3 variable's path, or a TensorFlow name.
     return getattr(variable, "path", None) or getattr(variable, "name", None)

@@ -47,7 +47,8 @@ def _check_strategy():
         raise ValueError(
             "Loss scaling is not supported with the tf.distribute.Strategy: "
             f"{type(tf.distribute.get_strategy()).__name__}. Try using a "
-            f"different Strategy, e.g. a MirroredStrategy. ({error})") from error
+            f"different Strategy, e.g. a MirroredStrategy. ({error})"
+        ) from error
 
 
 class _TfKerasWrapper(saving.SavedState, optimizer_protocol.ScaledLossProtocol):
@@ -151,7 +152,8 @@ class _TfKerasWrapper(saving.SavedState, optimizer_protocol.ScaledLossProtocol):
             return
         if self._caller_unscales:
             forgot = ("get_scaled_loss() before calling LossScaleOptimizer."
-                      "apply_gradients() (you did call get_unscaled_gradients())")
+                      "apply_gradients() (you did call "
+                      "get_unscaled_gradients())")
         else:
             forgot = ("get_scaled_loss() and LossScaleOptimizer."
                       "get_unscaled_gradients() before calling "
