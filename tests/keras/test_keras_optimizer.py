@@ -206,7 +206,7 @@ def test_loss_scale_conflicting_with_keras_style_arguments_is_rejected(
 
 
 def test_none_loss_scale_is_rejected():
-    with pytest.raises(ValueError, match="loss_scale must not be None"):
+    with pytest.raises(ValueError, match="loss_scale cannot be None"):
         LossScaleOptimizer(_sgd(), loss_scale=None)
 
 

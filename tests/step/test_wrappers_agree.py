@@ -1,7 +1,8 @@
 """Every LossScaleOptimizer wrapper (Keras 3, tf-keras, TF1) raises the same
 exception for a step called in cross-replica context, and the Keras 3 and
 tf-keras wrappers report the same `last_nonfinite_variables()` for the same
-model (`tf_lossscale.step.wrapper_core`)."""
+model (`tf_lossscale._internal.checks.replica_context`,
+`tf_lossscale.step.optimizer_protocol`)."""
 
 import json
 import os

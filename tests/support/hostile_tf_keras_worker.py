@@ -1,14 +1,15 @@
-"""The tf-keras half of the constructor sweep in `test_hostile_inputs.py`.
+"""The tf-keras half of the argument cases of `test_hostile_inputs.py`.
 
 Not a test: the test runs this script once with `TF_USE_LEGACY_KERAS=1` (so
 `tf.keras` is tf-keras and `tf_lossscale.LossScaleOptimizer` wraps tf-keras
 optimizers, both kinds) and reads the one JSON line it prints last:
-`{case_id: {"error": the names of the exception's classes (its MRO) or
-None, "message": its first 2000 characters, "length": its length,
+`{kind: {case_id: result}}` for the kinds "optimizer" and "legacy"
+(`hostile_values.OPTIMIZER` and `ALREADY_WRAPPED`) and "monitor"
+(`hostile_values.MONITOR`). A result is `{"error": the names of the
+exception's classes (its MRO) or None, "message": its first 2000
+characters, "length": its length, "summary": the value's summary,
 "created": names of variables created, "inner_reusable": whether the inner
-optimizer can still be wrapped}}`. The
-cases are `hostile_values.OPTIMIZER` for each kind and
-`hostile_values.MONITOR`; the test judges the results.
+optimizer can still be wrapped}`; the test judges them.
 """
 
 import json
@@ -20,6 +21,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 import tf_lossscale  # pylint: disable=g-import-not-at-top
+from tf_lossscale._internal import checks  # pylint: disable=g-import-not-at-top
 
 # Run as a script: the repository's root first on the path, for
 # `tests.support`.
@@ -34,14 +36,14 @@ KINDS = {
 }
 
 
-
-def _result(error, created, inner_reusable):
+def _result(error, created, value, inner_reusable=True):
     message = "" if error is None else str(error)
     # Every class the exception is an instance of: a test expecting a
     # ValueError accepts one that is also a TypeError.
     return {"error": None if error is None else [
         klass.__name__ for klass in type(error).__mro__],
             "message": message[:2000], "length": len(message),
+            "summary": checks.summary(value),
             "created": [str(name) for name in created],
             "inner_reusable": inner_reusable}
 
@@ -53,29 +55,30 @@ def optimizer_case(kind, case):
         error, created = hostile_values.attempt(
             lambda: tf_lossscale.LossScaleOptimizer(value))
     else:
-        error, created = hostile_values.attempt(lambda: tf_lossscale.LossScaleOptimizer(
-            inner, **{case.argument: value}))
+        error, created = hostile_values.attempt(
+            lambda: tf_lossscale.LossScaleOptimizer(
+                inner, **{case.argument: value}))
     # A refused wrapper must not keep the inner optimizer.
-    reusable, _ = hostile_values.attempt(lambda: tf_lossscale.LossScaleOptimizer(inner))
-    return _result(error, created, reusable is None)
+    reusable, _ = hostile_values.attempt(
+        lambda: tf_lossscale.LossScaleOptimizer(inner))
+    return _result(error, created, value, reusable is None)
 
 
 def monitor_case(case):
     value = case.make(keras)
     error, created = hostile_values.attempt(
         lambda: tf_lossscale.LossScaleMonitor(**{case.argument: value}))
-    return _result(error, created, True)
+    return _result(error, created, value)
 
 
 def main():
     assert keras.__name__.startswith("tf_keras"), keras.__name__
-    results = {}
-    for kind in KINDS:
-        for case in hostile_values.OPTIMIZER:
-            key = f"{kind}-{hostile_values.case_id(case)}"
-            results[key] = optimizer_case(kind, case)
-    for case in hostile_values.MONITOR:
-        results[f"monitor-{hostile_values.case_id(case)}"] = monitor_case(case)
+    results = {kind: {hostile_values.case_id(case): optimizer_case(kind, case)
+                      for case in hostile_values.OPTIMIZER + [
+                          hostile_values.ALREADY_WRAPPED]}
+               for kind in KINDS}
+    results["monitor"] = {hostile_values.case_id(case): monitor_case(case)
+                          for case in hostile_values.MONITOR}
     print(json.dumps(results))
 
 

@@ -1,12 +1,16 @@
-"""Hostile and careless argument values, for the constructor sweep of
-`test_hostile_inputs.py` and its tf-keras subprocess
-(`hostile_tf_keras_worker.py`), which both import this table.
+"""Hostile and careless argument values, for `test_hostile_inputs.py` and its
+tf-keras worker (`hostile_tf_keras_worker.py`), which both import this.
 
-A case is `Case(argument, label, make, error)`: `make(keras_module)` builds
-the value (lazily: some are megabytes; the module is Keras 3 or tf-keras, for
-values that are optimizers), `error` is the exception expected, naming
-`argument` in a message shorter than `MESSAGE_BOUND`. Add cases here as new
-hostile inputs turn up.
+* `HOSTILE`: values no message may render whole (a million-element list,
+  reprs that fail, recurse or run to megabytes, a dict thousands deep, an
+  int Python refuses to print). Messages are checked against them once.
+* The argument tables: each argument at its own type and range edges, as
+  `Case(argument, label, make, error, shows_value)`. `make(keras_module)`
+  builds the value (lazily: the module is Keras 3 or tf-keras, for values
+  that are optimizers); `error` is the exception expected, naming
+  `argument`, and showing the value's summary when `shows_value`.
+
+Add cases here as new hostile inputs turn up.
 """
 
 import collections
@@ -14,11 +18,13 @@ import collections
 import numpy as np
 import tensorflow as tf
 
+import tf_lossscale
+
 # No message may be longer, whatever the input (a million-element list gave
 # 7.9 MB before values were summarised).
 MESSAGE_BOUND = 600
 
-Case = collections.namedtuple("Case", "argument label make error")
+Case = collections.namedtuple("Case", "argument label make error shows_value")
 
 
 class RaisingRepr:
@@ -51,150 +57,158 @@ def nested_dict(depth=5000):
     return root
 
 
-def _tensor(_):
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    return tf.constant(2.0)
-
-
-# Values no number-taking argument accepts: TypeError.
-_NOT_NUMBERS = {
-    "True": lambda k: True,
-    "np.bool_": lambda k: np.bool_(False),
-    "str": lambda k: "2",
-    "bytes": lambda k: b"2",
-    "list": lambda k: [2.0],
-    "set": lambda k: {2.0},
-    "dict": lambda k: {"value": 2.0},
-    "complex": lambda k: 2 + 0j,
-    "object": lambda k: object(),
-    "raising_repr": lambda k: RaisingRepr(),
-    "huge_repr": lambda k: HugeRepr(),
-    "recursive_repr": lambda k: RecursiveRepr(),
-    "array": lambda k: np.array([1.0, 2.0]),
-    "tensor": _tensor,
-    "million_element_list": lambda k: [1.0] * 10**6,
-    "dict_5000_deep": lambda k: nested_dict(),
-    "million_char_str": lambda k: "9" * 10**6,
-}
-# Numbers no argument takes: ValueError (10**5000 cannot even be printed).
-_BAD_NUMBERS = {
-    "nan": lambda k: float("nan"),
-    "inf": lambda k: float("inf"),
-    "-inf": lambda k: float("-inf"),
-    "np.float64_nan": lambda k: np.float64("nan"),
-    "-1": lambda k: -1,
-    "0": lambda k: 0,
-    "10**400": lambda k: 10**400,
-    "10**5000": lambda k: 10**5000,
-}
-_NONE = {"None": lambda k: None}
-_FRACTION = {"2.5": lambda k: 2.5}
-# Values no bool argument accepts: TypeError.
-_NOT_BOOLS = {
-    "1": lambda k: 1,
-    "0": lambda k: 0,
-    "1.0": lambda k: 1.0,
-    "str_True": lambda k: "True",
-    "None": lambda k: None,
-    "nan": lambda k: float("nan"),
-    "list": lambda k: [True],
-    "array": lambda k: np.array([True, False]),
-    "raising_repr": lambda k: RaisingRepr(),
-    "huge_repr": lambda k: HugeRepr(),
-    "million_element_list": lambda k: [True] * 10**6,
-    "dict_5000_deep": lambda k: nested_dict(),
+HOSTILE = {
+    "million_element_list": lambda: [1.0] * 10**6,
+    "million_char_str": lambda: "9" * 10**6,
+    "million_bytes": lambda: b"9" * 10**6,
+    "dict_5000_deep": nested_dict,
+    "100000_keys": lambda: {str(i): i for i in range(10**5)},
+    "raising_repr": RaisingRepr,
+    "huge_repr": HugeRepr,
+    "recursive_repr": RecursiveRepr,
+    "10**5000": lambda: 10**5000,
+    "million_element_array": lambda: np.ones(10**6),
 }
 
 
-def _cases(argument, error, values):
-    return [Case(argument, label, make, error)
+def _cases(argument, error, values, shows_value=True):
+    return [Case(argument, label, make, error, shows_value)
             for label, make in values.items()]
 
 
-def number_cases(argument, optional=False):
-    """A float argument (None is its default when `optional`)."""
-    return (_cases(argument, TypeError, _NOT_NUMBERS)
-            + ([] if optional else _cases(argument, TypeError, _NONE))
-            + _cases(argument, ValueError, _BAD_NUMBERS))
+def _constant(value):
+    return lambda k: value
+
+
+def _label(value):
+    """`value`'s repr, the same with every numpy; a long one described."""
+    text = repr(value)
+    if type(value).__module__ == "numpy":
+        text = f"np.{type(value).__name__}({value})"
+    if len(text) < 30:
+        return text
+    return f"{type(value).__name__}_of_{len(text)}_chars"
+
+
+def _values(*values):
+    """`{label: make}` for plain values, labelled by their repr."""
+    return {_label(value): _constant(value) for value in values}
+
+
+def number_cases(argument, edges, optional=False, wrong_types=()):
+    """A float argument: not a number (TypeError); not finite, beyond
+    float32, or at its own range `edges` (ValueError)."""
+    types = {**_values(True, "2", [2.0], *wrong_types),
+             "tensor": lambda k: tf.constant(2.0)}
+    if not optional:
+        types["None"] = _constant(None)
+    return (_cases(argument, TypeError, types)
+            + _cases(argument, ValueError, _values(
+                float("nan"), float("inf"), 3.5e38, 10**400, *edges)))
 
 
 def count_cases(argument, optional=False):
-    """A positive int argument (None is its default when `optional`)."""
-    return number_cases(argument, optional) + _cases(argument, TypeError,
-                                                     _FRACTION)
+    """A positive int argument: a bool, a string, a tensor or a fraction
+    (TypeError); below 1, not finite or beyond int64 (ValueError)."""
+    wrong_types = {"True": _constant(True), "str": _constant("3"),
+                   "2.5": _constant(2.5), "np.float64(3.5)": _constant(
+                       np.float64(3.5)), "tensor": lambda k: tf.constant(3)}
+    if not optional:
+        wrong_types["None"] = _constant(None)
+    return (_cases(argument, TypeError, wrong_types)
+            + _cases(argument, ValueError, _values(
+                0, 0.0, -1, float("nan"), float("inf"), 2**63, 1e30)))
 
 
-def bool_cases(argument):
-    return _cases(argument, TypeError, _NOT_BOOLS)
+def bool_cases(argument, optional=False):
+    """A bool argument: anything but True and False (TypeError)."""
+    values = _values(1, 0, 1.0, "True", "false", [True])
+    values["array"] = lambda k: np.array([True, False])
+    if not optional:
+        values["None"] = _constant(None)
+    return _cases(argument, TypeError, values)
 
 
 def choice_cases(argument):
     """A string argument taking one of a few values."""
-    return (_cases(argument, TypeError, {
-        "None": lambda k: None, "1": lambda k: 1, "list": lambda k: ["raise"],
-        "million_element_list": lambda k: ["raise"] * 10**6,
-        "raising_repr": lambda k: RaisingRepr()})
-            + _cases(argument, ValueError, {
-                "stop": lambda k: "stop", "empty": lambda k: "",
-                "million_char_str": lambda k: "r" * 10**6}))
+    return (_cases(argument, TypeError, _values(None, 1, True, ["raise"]))
+            + _cases(argument, ValueError, _values(
+                "stop", "Raise", "", "warning", "continue ")))
 
 
-FIXED_LOSS_SCALE = (number_cases("loss_scale_value")
-                    + bool_cases("skip_non_finite"))
+FIXED_LOSS_SCALE = (
+    number_cases("loss_scale_value", (
+        0, 0.5, 0.999, -1, float("-inf"), 10**40, np.float64("nan")),
+                 wrong_types=(False, np.bool_(True), 2 + 0j))
+    + bool_cases("skip_non_finite"))
 
 DYNAMIC_LOSS_SCALE = (
-    number_cases("initial_loss_scale") + count_cases("increment_period")
-    + number_cases("multiplier") + number_cases("backoff_factor", True)
-    + number_cases("min_loss_scale") + number_cases("max_loss_scale", True)
-    + count_cases("hysteresis") + bool_cases("consecutive_hysteresis")
+    # 1e-46 is positive, but the float32 variable would hold 0.
+    number_cases("initial_loss_scale", (0, -0.5, 1e-46))
+    + count_cases("increment_period")
+    # 1 + 1e-9 is above 1, but float32 rounds it to 1: it would never grow.
+    + number_cases("multiplier", (1, 1 + 1e-9, 0.5, 0, -2))
+    # 1 - 1e-9 is below 1, but float32 rounds it to 1: it would never back off.
+    + number_cases("backoff_factor", (0, 1, 1.5, -0.5, 1e-46, 1 - 1e-9),
+                   optional=True)
+    + number_cases("min_loss_scale", (0, -1, 1e-46))
+    + number_cases("max_loss_scale", (0, -1, 1e-46), optional=True)
+    + count_cases("hysteresis")
+    + bool_cases("consecutive_hysteresis")
     + choice_cases("on_min_loss_scale")
-    + count_cases("max_consecutive_skips", True))
+    + count_cases("max_consecutive_skips", optional=True))
 
-MONITOR = bool_cases("verbose")
+MONITOR = bool_cases("verbose") + bool_cases("gradient_stats")
 
-# `tf_lossscale.LossScaleOptimizer(inner, **{argument: value})`, or the
-# value as the inner optimizer; `k` is the Keras of the inner optimizer.
+
+def _already_wrapped(k):
+    inner = k.optimizers.SGD()
+    tf_lossscale.LossScaleOptimizer(inner)
+    return inner
+
+
+# `LossScaleOptimizer(inner, **{argument: value})`, or the value as the inner
+# optimizer; `k` is the Keras of the inner optimizer.
 OPTIMIZER = (
     _cases("inner_optimizer", TypeError, {
-        "None": lambda k: None, "str": lambda k: "sgd", "int": lambda k: 3,
+        "None": _constant(None), "str": _constant("sgd"), "int": _constant(3),
         "class": lambda k: k.optimizers.SGD,
-        "million_element_list": lambda k: [1.0] * 10**6,
-        "dict_5000_deep": lambda k: nested_dict(),
-        "raising_repr": lambda k: RaisingRepr(),
-        "huge_repr": lambda k: HugeRepr()})
+        "layer": lambda k: k.layers.Dense(1)})
     + _cases("inner_optimizer", ValueError, {
         "keras_own_wrapper": lambda k: k.mixed_precision.LossScaleOptimizer(
-            k.optimizers.SGD())})
+            k.optimizers.SGD())}, shows_value=False)
     # `tf_lossscale.get`'s convention: what is no loss scale identifier is a
     # ValueError; a serialized loss scale of the wrong shape a TypeError.
     + _cases("loss_scale", ValueError, {
-        label: make for label, make in {**_NOT_NUMBERS, **_NONE,
-                                        **_BAD_NUMBERS}.items()
-        if label not in ("dict", "dict_5000_deep")})
-    + _cases("loss_scale", ValueError, {
-        "dict_5000_deep": lambda k: nested_dict(),
-        "unknown_class": lambda k: {"class_name": "Canary", "config": {}}})
+        **_values(None, True, "static", "Dynamic", [2.0], float("nan"),
+                  float("inf"), -1, 0, 0.5, 10**400),
+        "object": lambda k: object,
+        "unknown_class": _constant({"class_name": "Canary", "config": {}})})
     + _cases("loss_scale", TypeError, {
-        "class_name_list": lambda k: {"class_name": ["x"], "config": {}},
-        "class_name_dict": lambda k: {"class_name": {"x": 1}, "config": {}},
-        "config_million_element_list": lambda k: {
-            "class_name": "FixedLossScale",
-            "config": {"loss_scale_value": [1.0] * 10**6}}})
-    + _cases("name", TypeError, {
-        "int": lambda k: 3, "bytes": lambda k: b"opt",
-        "million_element_list": lambda k: ["x"] * 10**6,
-        "raising_repr": lambda k: RaisingRepr()})
-    + number_cases("initial_scale", optional=True)
+        "class_name_list": _constant({"class_name": ["x"], "config": {}}),
+        "config_list": lambda k: {"class_name": "FixedLossScale",
+                                  "config": [2.0]},
+        "value_list": lambda k: {"class_name": "FixedLossScale",
+                                 "config": {"loss_scale_value": [1.0]}}})
+    + _cases("name", TypeError, _values(3, b"opt", ["x"]))
+    + number_cases("initial_scale", (0, -1), optional=True)
     + count_cases("dynamic_growth_steps", optional=True)
-    + _cases("dynamic", TypeError, {
-        label: make for label, make in _NOT_BOOLS.items() if label != "None"})
+    + bool_cases("dynamic", optional=True)
     # Base-optimizer arguments, taken at their defaults only.
     + _cases("clipnorm", ValueError, {
-        "array": lambda k: np.array([1.0, 2.0]),
-        "million_element_list": lambda k: [1.0] * 10**6,
-        "raising_repr": lambda k: RaisingRepr()})
-    + _cases("momentum", TypeError, {"0.9": lambda k: 0.9,
-                                     "huge_repr": lambda k: HugeRepr()}))
+        **_values(1.0, 0.5), "array": lambda k: np.array([1.0, 2.0])})
+    + _cases("use_ema", ValueError, _values(True))
+    + _cases("momentum", TypeError, _values(0.9)))
+
+# An inner optimizer another wrapper owns.
+ALREADY_WRAPPED = Case("inner_optimizer", "already_wrapped", _already_wrapped,
+                       ValueError, False)
+
+TF1_OPTIMIZER = [case for case in OPTIMIZER
+                 if case.argument == "loss_scale"] + _cases(
+                     "opt", ValueError, {
+                         "None": _constant(None),
+                         "keras_optimizer": lambda k: k.optimizers.SGD()})
 
 
 def case_id(case):

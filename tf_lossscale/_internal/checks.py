@@ -1,190 +1,123 @@
-"""Argument checks shared by the loss scales and the Keras optimizer.
+"""Argument checks for every entry point, and the package's two exceptions.
 
-Every check runs before anything is created, so a rejected argument leaves no
-half-built object or stray variable behind. Messages name the argument and
-show the value that was given through `summary`: its repr when short, else a
-clipped one with its type and length, so a million-element list or a config
-nested thousands deep gives a message of a few lines, not megabytes or a
-RecursionError.
-
-Conventions: a bool where a number is expected is a TypeError (`True` is an
-int to Python, but never a meaningful scale or count); an int argument also
-takes a float holding a whole number (`2.0`, as JSON and YAML configs write
-it), but not `2.5`.
+A check runs before anything is created or changed. Messages name the
+argument and show the value through `summary`, bounded whatever the value. A
+bool is no number; an int argument takes a float holding a whole number
+(`2.0`, as JSON writes it). A step's checks read only what Python knows
+(lengths, static dtypes and shapes): in a `tf.function` they add no op.
 """
 
+import collections.abc
 import math
 import numbers
+import operator
 import reprlib
 
 import numpy as np
+import tensorflow as tf
+
+from tf_lossscale._internal import private_api
+
 
 class DoubleScalingError(TypeError, ValueError):
-    """An optimizer that already scales the loss was given to a wrapper:
-    wrapping it would scale the loss twice.
-
-    Every wrapper raises it (Keras 3, tf-keras and TF1). It is a TypeError,
-    as tf-keras' own wrapper raises, and a ValueError, as TensorFlow's TF1
-    wrapper and tf_lossscale before 0.4 raised, so code written against
-    either keeps catching it.
+    """A wrapper was given an optimizer that already scales the loss. Every
+    wrapper raises it: a TypeError, as tf-keras' wrapper raises, and a
+    ValueError, as TensorFlow's TF1 wrapper raises, for code matching either.
     """
 
 
 class ReplicaContextError(ValueError, RuntimeError):
-    """A wrapper's `apply_gradients` (or Keras 3's `apply`) was called in a
-    strategy's cross-replica context, where one call cannot stand for every
-    replica's step.
-
-    Every wrapper raises it (Keras 3, tf-keras and TF1). It is a ValueError,
-    as TensorFlow's and Keras' own wrappers raise, and a RuntimeError, as
-    tf_lossscale's Keras wrappers raised before 0.4, so code written against
-    either keeps catching it.
+    """A wrapper's step was called in a strategy's cross-replica context,
+    where one call cannot stand for every replica's step. Every wrapper
+    raises it: a ValueError, as TensorFlow's and Keras' own wrappers raise,
+    and a RuntimeError, for code written against earlier tf_lossscale.
     """
 
 
-# A loss scale lives in a float32 variable: a Python float above this limit
-# would silently become inf there.
+# A loss scale lives in a float32 variable: a larger float would become inf.
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 _INT64_MAX = int(np.iinfo(np.int64).max)
-
-# The longest rendering of a value in a message; a repr up to this long is
-# shown whole (DynamicLossScale's default repr fits).
+# The longest rendering of a value; a repr up to this long is shown whole.
 SUMMARY_CHARS = 160
-# Ints beyond this many bits (about 150 digits) are described, not written
-# out: Python refuses to write ints of more than 4300 digits.
-_MAX_INT_BITS = 500
-
-
-class _ShortRepr(reprlib.Repr):
-    """`reprlib`'s bounded repr (a few items per container, a few levels
-    deep; an object whose repr raises gets a placeholder), with huge ints
-    described by their size."""
-
-    def __init__(self):
-        super().__init__()
-        self.maxlevel = 3
-        self.maxdict = 4
-        self.maxlist = self.maxtuple = self.maxset = 6
-        self.maxfrozenset = self.maxdeque = self.maxarray = 6
-        self.maxstring = 60
-        self.maxlong = self.maxother = SUMMARY_CHARS
-
-    def repr_int(self, x, level):
-        if x.bit_length() > _MAX_INT_BITS:
-            sign = "-" if x < 0 else ""
-            return f"<{sign}int of {x.bit_length()} bits>"
-        return super().repr_int(x, level)
-
-
-_SHORT_REPR = _ShortRepr()
+_FLOATING = "float16, bfloat16, float32 or float64"
+_NO_VARIABLE = object()  # A gradient checked alone.
+# Bounded: a few items, a few levels; a failing repr gets a placeholder.
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxlevel, _SHORT_REPR.maxstring = 3, 60
+_SHORT_REPR.maxlong = _SHORT_REPR.maxother = SUMMARY_CHARS
 
 
 def summary(value):
-    """`value` rendered for an error message, in at most ~200 characters.
-
-    Its repr when that is short and complete; otherwise a clipped repr
-    followed by its type and, for a container, its length:
-    `[1.0, 1.0, 1.0, 1.0, 1.0, 1.0, ...] (list of length 1000000)`. Never
-    raises, and never renders more than a few items or levels of a value.
-    """
+    """`value` in at most ~200 characters: its repr, or a clipped one with
+    its type and length (`[1.0, ...] (list of length 1000000)`)."""
+    if isinstance(value, int) and value.bit_length() > 500:
+        # Python refuses to write ints of more than 4300 digits.
+        return f"<{'-' if value < 0 else ''}int of {value.bit_length()} bits>"
     try:
         text = _SHORT_REPR.repr(value)
-    except Exception:  # pylint: disable=broad-except
-        # reprlib guards objects' own reprs; this guards the rest (a str or
-        # list subclass that fails while being sliced, say).
+    except Exception:  # pylint: disable=broad-except  # A hostile subclass.
         return f"<a {type(value).__name__} that cannot be shown>"
-    clipped = len(text) > SUMMARY_CHARS
-    if clipped:
-        text = text[:SUMMARY_CHARS - 3] + "..."
-    if not clipped and "..." not in text:
+    if len(text) <= SUMMARY_CHARS and "..." not in text:
         return text
-    return f"{text} ({_kind(value)})"
-
-
-def _kind(value):
-    """`value`'s type name, with its length when it has one."""
-    kind = type(value).__name__
+    if len(text) > SUMMARY_CHARS:
+        text = text[:SUMMARY_CHARS - 3] + "..."
     try:
-        size = len(value)
+        return f"{text} ({type(value).__name__} of length {len(value)})"
     except Exception:  # pylint: disable=broad-except
-        # No length, or a hostile __len__: the type alone will do.
-        return kind
-    return f"{kind} of length {size}"
+        return f"{text} ({type(value).__name__})"  # No (sane) length.
 
 
-def _is_bool(value):
-    return isinstance(value, (bool, np.bool_))
+def of_type(name, value, types, expected):
+    """Returns `value`, if an instance of `types` (`expected` says which).
+    A bool is no `numbers.Real` here: it is never a scale or a count."""
+    if not isinstance(value, types) or types is numbers.Real and isinstance(
+            value, (bool, np.bool_)):
+        raise _wrong_type(name, value, expected)
+    return value
 
 
-def finite_float32(name, value, *, above=None, at_least=None, below=None):
-    """Returns `value` as a float after checking it fits a float32 variable.
+def _wrong_type(name, value, expected):
+    return TypeError(f"{name} must be {expected}, got {summary(value)} of "
+                     f"type {type(value).__name__}")
 
-    One lower bound is given: `above` (exclusive) or `at_least` (inclusive);
-    `below` (exclusive) is an optional upper bound.
 
-    Raises:
-      TypeError: `value` is a bool or not a real number.
-      ValueError: `value` is NaN, infinite, larger than float32 allows, or
-        outside the bounds.
-    """
-    # bool is an int subclass, but `FixedLossScale(True)` is a bug, not a scale.
-    if _is_bool(value) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"{name} must be a Python int or float, got {summary(value)} "
-            f"of type {type(value).__name__}")
+def finite_float32(name, value, *, above=None, at_least=None, below=None,
+                   at_most=None):
+    """`value` as a float a float32 variable holds, within the bounds."""
+    of_type(name, value, numbers.Real, "a Python int or float")
     try:
         number = float(value)
     except OverflowError:  # An int beyond any float's range.
         number = math.inf
-    if math.isnan(number) or math.isinf(number) or number > FLOAT32_MAX:
-        raise ValueError(
-            f"{name} must be finite and at most the float32 maximum "
-            f"({FLOAT32_MAX:.8g}), got {summary(value)}")
-    # The bounds apply to the value the float32 variable will hold: 1e-46
-    # becomes 0 there and 1 + 1e-9 becomes 1.
+    if not math.isfinite(number) or number > FLOAT32_MAX:
+        raise ValueError(f"{name} must be finite and at most the float32 "
+                         f"maximum ({FLOAT32_MAX:.8g}), got {summary(value)}")
+    # Bounds apply to what the variable holds: 1e-46 becomes 0 there.
     stored = float(np.float32(number))
     rounded = "" if stored == number else f" (float32 rounds it to {stored!r})"
-    if above is not None and not stored > above:
-        raise ValueError(
-            f"{name} must be > {above:g}, got {summary(value)}{rounded}")
-    if at_least is not None and not stored >= at_least:
-        raise ValueError(
-            f"{name} must be >= {at_least:g}, got {summary(value)}{rounded}")
-    if below is not None and not stored < below:
-        raise ValueError(
-            f"{name} must be < {below:g}, got {summary(value)}{rounded}")
+    for sign, bound, holds in ((">", above, operator.gt),
+                               (">=", at_least, operator.ge),
+                               ("<", below, operator.lt),
+                               ("<=", at_most, operator.le)):
+        if bound is not None and not holds(stored, bound):
+            raise ValueError(f"{name} must be {sign} {bound:g}, got "
+                             f"{summary(value)}{rounded}")
     return number
 
 
 def positive_int(name, value):
-    """Returns `value` as an int after checking it is an int64 >= 1.
-
-    Floats holding a whole number (2.0, `np.float64(3.0)`) are accepted and
-    returned as ints.
-
-    Raises:
-      TypeError: `value` is a bool, not a real number, or a float with a
-        fractional part.
-      ValueError: `value` is NaN, infinite, < 1 or beyond int64.
-    """
-    if _is_bool(value) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"{name} must be a positive Python int, got {summary(value)} "
-            f"of type {type(value).__name__}")
+    """`value` as an int64 >= 1; a fraction is a TypeError."""
+    of_type(name, value, numbers.Real, "a positive Python int")
     number = value
     if not isinstance(value, numbers.Integral):
         number = float(value)
-        if math.isnan(number) or math.isinf(number):
-            raise ValueError(
-                f"{name} must be a positive int64, got {summary(value)}")
-        if not number.is_integer():
-            raise TypeError(
-                f"{name} must be a whole number (a positive Python int), "
-                f"got {summary(value)}")
-        number = int(number)
+        if math.isfinite(number) and not number.is_integer():
+            raise TypeError(f"{name} must be a whole number (a positive "
+                            f"Python int), got {summary(value)}")
+        number = int(number) if math.isfinite(number) else 0
     if not 1 <= number <= _INT64_MAX:
-        raise ValueError(
-            f"{name} must be a positive int64, got {summary(value)}")
+        raise ValueError(f"{name} must be a positive int64, got "
+                         f"{summary(value)}")
     return int(number)
 
 
@@ -194,22 +127,174 @@ def optional_positive_int(name, value):
 
 
 def boolean(name, value):
-    """Returns `value` as a bool; only `True` and `False` are accepted."""
-    if not _is_bool(value):
-        raise TypeError(
-            f"{name} must be True or False, got {summary(value)} "
-            f"of type {type(value).__name__}")
-    return bool(value)
+    """Returns `value` as a bool; only `True` and `False` are taken."""
+    return bool(of_type(name, value, (bool, np.bool_), "True or False"))
 
 
 def one_of(name, value, choices):
     """Returns `value` after checking it is one of the strings `choices`."""
-    if not isinstance(value, str):
-        raise TypeError(
-            f"{name} must be one of {', '.join(map(repr, choices))}, got "
-            f"{summary(value)} of type {type(value).__name__}")
-    if value not in choices:
-        raise ValueError(
-            f"{name} must be one of {', '.join(map(repr, choices))}, got "
-            f"{summary(value)}")
+    expected = f"one of {', '.join(map(repr, choices))}"
+    if of_type(name, value, str, expected) not in choices:
+        raise ValueError(f"{name} must be {expected}, got {summary(value)}")
     return value
+
+
+def inner_optimizer(value, optimizer_types, wrapper_types, expected, *,
+                    argument="inner_optimizer", error=TypeError):
+    """Raises unless `value` is an optimizer of `optimizer_types` (named by
+    `expected`), not of `wrapper_types`, unclaimed. `error`: what the
+    framework's wrapper raises for a non-optimizer; tf-keras' phrases."""
+    if isinstance(value, wrapper_types):
+        raise DoubleScalingError(
+            "LossScaleOptimizer cannot wrap another LossScaleOptimizer, but "
+            f"got: {summary(value)} as {argument}, which is already a "
+            "LossScaleOptimizer: the loss would be scaled twice")
+    if not isinstance(value, optimizer_types):
+        raise error(f'"{argument}" must be an instance of {expected}, but '
+                    f"got: {summary(value)} of type {type(value).__name__}")
+    if private_api.tf_keras_is_wrapped(value):
+        raise ValueError(
+            f'"{argument}" is already wrapped by a LossScaleOptimizer. An '
+            "optimizer can only be wrapped by a single LossScaleOptimizer: "
+            "both would apply their updates to the same weights "
+            f"({summary(getattr(value, 'name', value))} is already wrapped)")
+
+
+def claim(inner):
+    """Marks `inner` as its wrapper's: `inner_optimizer` refuses it now."""
+    # One mark for every wrapper, the flag tf-keras' own wrapper sets and
+    # reads: its wrapper and ours then refuse each other's inner optimizers.
+    private_api.tf_keras_mark_wrapped(inner)
+
+
+def optimizer_config(config, custom_objects, optimizer_types=()):
+    """The key of `config`'s inner optimizer, after checking, before Keras'
+    deserializer does, `config`'s shape and its inner optimizer: serialized
+    (a dict with a string `class_name`), or of `optimizer_types`."""
+    of_type("custom_objects", custom_objects,
+            (collections.abc.Mapping, type(None)), "a dict of names to classes")
+    if not isinstance(config, dict) or any(
+            not isinstance(key, str) for key in config):
+        raise _wrong_type("A LossScaleOptimizer config", config,
+                          "a dict with string keys (argument names)")
+    key = "inner_optimizer" if "inner_optimizer" in config else "optimizer"
+    if key not in config:
+        raise ValueError("A LossScaleOptimizer config needs 'inner_optimizer' "
+                         "(or 'optimizer'), got keys "
+                         f"{summary(sorted(config))}")
+    inner = config[key]
+    if not (isinstance(inner, optimizer_types) or isinstance(inner, dict)
+            and isinstance(inner.get("class_name"), str)
+            and isinstance(inner.get("config", {}), (dict, type(None)))):
+        raise TypeError(f"A LossScaleOptimizer config's {key!r} must be a "
+                        "serialized optimizer, a dict like {'class_name': "
+                        f"'Adam', 'config': {{...}}}}, got {summary(inner)}")
+    return key
+
+
+def replica_context():
+    """Raises ReplicaContextError in a strategy's cross-replica context."""
+    if tf.distribute.has_strategy() and (
+            tf.distribute.in_cross_replica_context()):
+        raise ReplicaContextError(
+            "LossScaleOptimizer.apply_gradients must be called in a replica "
+            "context (strategy.run, model.fit), not under strategy.scope()")
+
+
+# Checked before the scale's update: Keras refuses a step's values after it.
+
+
+def pairs(grads_and_vars):
+    """`(grads, variables)`, two lists to check with `gradients`."""
+    listed = _as_list("grads_and_vars", grads_and_vars,
+                      "a list of (gradient, variable) pairs")
+    for index, pair in enumerate(listed):
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            raise TypeError(f"grads_and_vars[{index}] must be a (gradient, "
+                            f"variable) pair, got {summary(pair)}")
+    return [grad for grad, _ in listed], [var for _, var in listed]
+
+
+def gradients(grads, variables=None):
+    """`grads` as a list, checked against `variables`: one per variable,
+    None or floating-point of a fitting static shape, not all None. Without
+    `variables`, each of the nested `grads` (in `tf.nest.flatten` order)."""
+    if variables is None:
+        return [_gradient(i, grad, _NO_VARIABLE) for i, grad in enumerate(
+            tf.nest.flatten(grads))]
+    grads = _as_list("grads", grads, "a list of gradients, one per variable")
+    if not variables:
+        raise ValueError("No variables given: a step needs one (gradient, "
+                         "variable) pair per variable to update")
+    if len(grads) != len(variables):
+        raise ValueError(
+            f"Got {len(grads)} gradients for {len(variables)} variables: "
+            "give one gradient (or None) per variable, in the same order")
+    checked = [_gradient(index, grad, variable)
+               for index, (grad, variable) in enumerate(zip(grads, variables))]
+    if all(grad is None for grad in checked):
+        raise ValueError("No gradients provided for any variable: all are "
+                         f"None, for {summary([_name(v) for v in variables])}")
+    return checked
+
+
+def loss(value):
+    """Returns `value` as a tensor after checking it is floating-point."""
+    try:
+        value = tf.convert_to_tensor(value)
+    except (TypeError, ValueError, RecursionError):
+        raise TypeError("loss must be a floating-point tensor, got "
+                        f"{summary(value)}") from None
+    if not value.dtype.is_floating:
+        raise TypeError(f"loss must be a floating-point tensor ({_FLOATING}),"
+                        f" got dtype {value.dtype.name}")
+    return value
+
+
+def _as_list(name, values, expected):
+    """`values` as a list; a tensor, array, string or dict is refused."""
+    if (hasattr(values, "dtype") or isinstance(values, (str, bytes))
+            or isinstance(values, collections.abc.Mapping)
+            or not isinstance(values, collections.abc.Iterable)):
+        raise _wrong_type(name, values, expected)
+    return list(values)
+
+
+def _gradient(index, grad, variable):
+    """`grad` as a tensor, IndexedSlices or None, checked (for `variable`)."""
+    def which():  # Only for a message: a summary costs more than a check.
+        if variable is _NO_VARIABLE:
+            return f"gradient {index}"
+        return f"gradient {index} (for variable {summary(_name(variable))})"
+
+    # Looked up on the class: a Keras variable computes `dtype` and `shape`
+    # on each read, which costs more than the whole check.
+    kind = type(variable)
+    if variable is not _NO_VARIABLE and not (hasattr(kind, "assign") and (
+            hasattr(kind, "dtype") and hasattr(kind, "shape"))):
+        raise _wrong_type(f"variable {index}", variable,
+                          "a tf.Variable or keras.Variable")
+    if grad is None:
+        return None
+    if not isinstance(grad, (tf.Tensor, tf.IndexedSlices)):
+        try:
+            grad = tf.convert_to_tensor(grad)
+        except (TypeError, ValueError, RecursionError):
+            raise _wrong_type(which(), grad, "a tensor") from None
+    if not grad.dtype.is_floating:
+        raise TypeError(f"{which()} has dtype {grad.dtype.name}; gradients "
+                        f"must be floating-point ({_FLOATING})")
+    if variable is _NO_VARIABLE:
+        return grad
+    # A TensorShape for TensorFlow and Keras 3 variables (a tuple otherwise).
+    shape, expected = grad.shape, tf.TensorShape(variable.shape)
+    if isinstance(grad, tf.IndexedSlices):  # Rows: the trailing dimensions.
+        shape, expected = grad.values.shape[1:], expected[1:]
+    if not shape.is_compatible_with(expected):
+        raise ValueError(f"{which()} has shape {shape}, which does not fit "
+                         f"the variable's {expected}")
+    return grad
+
+
+def _name(variable):  # A Keras 3 variable's path, or a TensorFlow name.
+    return getattr(variable, "path", None) or getattr(variable, "name", None)

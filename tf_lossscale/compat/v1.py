@@ -1,113 +1,68 @@
 """`MixedPrecisionLossScaleOptimizer`: loss scaling for `tf.compat.v1.train`.
 
-The contract, that of `tf.compat.v1.mixed_precision.
-MixedPrecisionLossScaleOptimizer(opt, loss_scale)`:
-
-* `compute_gradients(loss, ...)` differentiates `loss * scale` with the
-  wrapped optimizer and returns the gradients divided by the scale, paired
-  with their variables as the wrapped optimizer paired them;
-* `apply_gradients(grads_and_vars, global_step=None, name=None)` takes those
-  unscaled gradients, updates the loss scale from them and applies them with
-  the wrapped optimizer only if every one is finite; in a graph it returns
-  one `Operation` that does all of it. `global_step` is incremented (by the
-  wrapped optimizer) on applied steps only; a skipped step leaves the
-  variables, the slots and `global_step` as they were;
-* `minimize` is `compute_gradients` then `apply_gradients`.
-
-What differs from TensorFlow's wrapper:
-
-* `loss_scale` is anything `tf_lossscale.get` accepts ("dynamic", a number,
-  a `tf_lossscale.LossScale` with any rule arguments, a serialized loss
-  scale), or one of TensorFlow's own `tf.compat.v1.mixed_precision` loss
-  scales, which is used as it is, driven by its own `update`;
-* a fixed scale may skip non-finite steps too
-  (`FixedLossScale(v, skip_non_finite=True)`), with the finiteness flag
-  agreed by every replica as for a dynamic one (`tf_lossscale.
-  loss_scaled_step`, the step this class adapts); parameter-server and
-  central-storage strategies are refused with a ValueError;
-* gradients are unscaled by a division computed in float32 (float64 for
-  float64 gradients) and cast back, so float16 gradients work;
-* the wrapped optimizer is public, as `inner_optimizer` (its slots are
-  there: the wrapper's own `get_slot` answers None, as TensorFlow's does);
-* wrapping a loss-scaling optimizer (this one or TensorFlow's) is refused:
-  the loss would be scaled twice.
+The drop-in for `tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer`;
+the step is `tf_lossscale.step.loss_scaled_step`'s, shared with the Keras
+wrappers. docs/guides/tf1.md says what users get and how it differs from
+TensorFlow's wrapper.
 """
 
 import tensorflow as tf
 
-from tf_lossscale.step import loss_scaled_step
-from tf_lossscale._internal import private_api
-from tf_lossscale.loss_scales import serialization
-from tf_lossscale._internal import step_arguments
-from tf_lossscale.ops import unscaling
 from tf_lossscale._internal import checks
-from tf_lossscale.step import wrapper_core
+from tf_lossscale._internal import private_api
+from tf_lossscale.ops import replicas
+from tf_lossscale.ops import unscaling
+from tf_lossscale.step import loss_scaled_step
+from tf_lossscale.step import optimizer_protocol
 
 __all__ = ["MixedPrecisionLossScaleOptimizer"]
 
 _GATE_OP = tf.compat.v1.train.Optimizer.GATE_OP
-
-
-def _is_tensorflow_loss_scale(loss_scale):
-    return isinstance(loss_scale, tf.compat.v1.mixed_precision.LossScale)
-
-
-def _resolve_loss_scale(identifier):
-    if identifier is None:
-        raise ValueError(
-            "loss_scale cannot be None; use 'dynamic', a number or a "
-            "tf_lossscale.LossScale")
-    if _is_tensorflow_loss_scale(identifier):
-        return identifier
-    return serialization.get_argument("loss_scale", identifier)
-
-
-def _state_variables(loss_scale):
-    if _is_tensorflow_loss_scale(loss_scale):
-        # TensorFlow's loss scales list their variables nowhere public.
-        return private_api.tf1_loss_scale_variables(loss_scale)
-    return list(loss_scale.variables)
+_TF_LOSS_SCALE = tf.compat.v1.mixed_precision.LossScale
 
 
 class MixedPrecisionLossScaleOptimizer(tf.compat.v1.train.Optimizer):
     """Wraps a `tf.compat.v1.train.Optimizer` with loss scaling.
 
+    `compute_gradients` differentiates `loss * scale` with the wrapped
+    optimizer and divides the gradients by the scale; `apply_gradients`
+    updates the scale from them and applies them with the wrapped optimizer
+    only if every one is finite (in a graph, one op does both), so a skipped
+    step leaves the variables, the slots and `global_step` as they were;
+    `minimize` is the two in turn.
+
     Args:
-      opt: the `tf.compat.v1.train.Optimizer` to wrap. The wrapper takes its
-        name and `use_locking`.
-      loss_scale: anything `tf_lossscale.get` accepts ("dynamic", the
-        default: `DynamicLossScale()`; a number: a `FixedLossScale`; a
-        `LossScale`; a serialized loss scale), or a loss scale of
-        `tf.compat.v1.mixed_precision`. Create it in the graph (and under
-        the strategy's scope) the optimizer is used in.
+      opt: the `tf.compat.v1.train.Optimizer` to wrap (its name and
+        `use_locking` become the wrapper's).
+      loss_scale: anything `tf_lossscale.get` takes (`"dynamic"`, the
+        default; a number, for a fixed scale; a `LossScale` or its config),
+        or a `tf.compat.v1.mixed_precision` loss scale, used as it is. Made
+        in the graph (and under the strategy's scope) the optimizer runs in.
 
     Raises:
-      ValueError: `opt` is not a `tf.compat.v1.train.Optimizer` (as
-        TensorFlow's wrapper raises) or already scales the loss, or
-        `loss_scale` is None or not a loss scale identifier.
-      TypeError, ValueError: `loss_scale` is a config or value
-        `tf_lossscale.get` refuses (the message says `loss_scale` was).
+      ValueError: `opt` is no `tf.compat.v1.train.Optimizer` (as TensorFlow's
+        wrapper raises) or already scales the loss (`DoubleScalingError`),
+        or `loss_scale` is None or refused.
+      TypeError: `loss_scale` is a config of the wrong shape.
 
-    In a checkpoint, the wrapped optimizer is `base_optimizer` and the loss
-    scale `loss_scale`, as with TensorFlow's wrapper; a `Saver` finds the
-    scale's variables under the same names as TensorFlow's
-    (`current_loss_scale`, `good_steps`), so its checkpoints restore.
+    Checkpoints hold the wrapped optimizer as `base_optimizer` and the loss
+    scale as `loss_scale`, named as TensorFlow's wrapper names them.
     """
 
     def __init__(self, opt, loss_scale="dynamic"):
-        if not isinstance(opt, tf.compat.v1.train.Optimizer):
-            raise ValueError(
-                "opt must be a tf.compat.v1.train.Optimizer, got "
-                f"{type(opt).__name__}")
-        if isinstance(opt, (MixedPrecisionLossScaleOptimizer,
-                            tf.compat.v1.mixed_precision.
-                            MixedPrecisionLossScaleOptimizer)):
-            raise checks.DoubleScalingError(
-                "opt already applies loss scaling; wrap the optimizer inside "
-                "it instead, or the loss would be scaled twice")
+        checks.inner_optimizer(
+            opt, tf.compat.v1.train.Optimizer,
+            (MixedPrecisionLossScaleOptimizer,
+             tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer),
+            "`tf.compat.v1.train.Optimizer`", argument="opt",
+            error=ValueError)
+        resolved = optimizer_protocol.resolve_loss_scale(
+            loss_scale, own_types=_TF_LOSS_SCALE)
         super().__init__(private_api.tf1_use_locking(opt), opt.get_name())
+        # Unclaimed: as with TensorFlow's wrapper, one optimizer may serve
+        # several wrappers (in several graphs, say).
         self._optimizer = opt
-        self._loss_scale = _resolve_loss_scale(loss_scale)
+        self._loss_scale = resolved
         private_api.track(self, opt, "base_optimizer")
         private_api.track(self, self._loss_scale, "loss_scale")
 
@@ -124,13 +79,9 @@ class MixedPrecisionLossScaleOptimizer(tf.compat.v1.train.Optimizer):
     def compute_gradients(self, loss, var_list=None, gate_gradients=_GATE_OP,
                           aggregation_method=None,
                           colocate_gradients_with_ops=False, grad_loss=None):
-        """The wrapped optimizer's `compute_gradients` of `loss * scale`,
-        with every gradient divided by the scale.
-
-        `loss` is a tensor, or a callable returning it (required eagerly).
-        The other arguments are passed on. Returns a list of `(gradient,
-        variable)` pairs; a gradient may be None.
-        """
+        """The wrapped optimizer's `compute_gradients` of `loss * scale`
+        (`loss` a tensor, or a callable returning it), each gradient divided
+        by the scale."""
         grads_and_vars = self._optimizer.compute_gradients(
             loss_scaled_step.scale_loss(loss, self._loss_scale),
             var_list=var_list, gate_gradients=gate_gradients,
@@ -143,37 +94,20 @@ class MixedPrecisionLossScaleOptimizer(tf.compat.v1.train.Optimizer):
                         variables))
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
-        """Updates the loss scale; applies the gradients if all are finite.
-
-        Args:
-          grads_and_vars: `(gradient, variable)` pairs, the gradients
-            unscaled, as `compute_gradients` returns them.
-          global_step: optional variable the wrapped optimizer increments
-            by one when it applies; untouched on a skipped step.
-          name: optional name of the returned operation (default: the
-            optimizer's name).
-
-        Returns:
-          In a graph, an `Operation` that updates the scale and applies or
-          skips; eagerly, None (the step has run).
-
-        Raises:
-          checks.ReplicaContextError: (a ValueError and a RuntimeError)
-            called in cross-replica context (under a strategy's scope,
-            outside its `run`).
-          ValueError: under a strategy loss scaling cannot support.
-          TypeError, ValueError: `grads_and_vars` refused by
-            `tf_lossscale._internal.step_arguments` (not pairs, none at all, a
-            gradient that is not floating-point or does not fit its
-            variable, every gradient None), before anything changes.
+        """Updates the loss scale from `grads_and_vars` (unscaled, as
+        `compute_gradients` returns them) and applies them if all are finite
+        (`global_step`, if given, counts applied steps). Returns the step's
+        op named `name` in a graph, None eagerly. Raises
+        `ReplicaContextError` in a strategy's cross-replica context, and
+        TypeError or ValueError for refused pairs, before anything changes.
         """
-        wrapper_core.open_step()
-        grads, variables = step_arguments.checked_pairs(grads_and_vars)
-
+        checks.replica_context()
+        replicas.check_supported()
+        grads, variables = checks.pairs(grads_and_vars)
+        grads = checks.gradients(grads, variables)
         name = name or self.get_name()
-        # TensorFlow's wrapper's name for the inner op; it frees `name`. One
-        # object for all replicas: the inner optimizer's merge_call regroups
-        # distinct (even equal) strings into a per-replica value.
+        # TensorFlow's wrapper's name for the inner op; one object for every
+        # replica (merge_call regroups distinct, even equal, strings).
         inner_name = name + "-wrapped"
 
         def apply(grads, variables):
@@ -183,17 +117,11 @@ class MixedPrecisionLossScaleOptimizer(tf.compat.v1.train.Optimizer):
 
         step = loss_scaled_step.apply_or_skip(
             self._loss_scale, grads, variables, apply, skip_record=None)
-        if step is None:
-            return None
-        return tf.group(step, name=name)
+        return None if step is None else tf.group(step, name=name)
 
     def get_slot(self, var, name):
-        """None, as with TensorFlow's wrapper: the slots are the wrapped
-        optimizer's; ask `inner_optimizer.get_slot(var, name)`.
-
-        `tf.train.Checkpoint` collects slots from every optimizer it meets
-        and refuses a slot that two of them report.
-        """
+        """None, as TensorFlow's wrapper: `inner_optimizer` has the slots
+        (`tf.train.Checkpoint` refuses a slot two optimizers report)."""
         del var, name
         return None
 
@@ -204,5 +132,8 @@ class MixedPrecisionLossScaleOptimizer(tf.compat.v1.train.Optimizer):
     def variables(self):
         """The wrapped optimizer's variables in the current graph, then the
         loss scale's."""
-        return self._optimizer.variables() + _state_variables(
-            self._loss_scale)
+        scale_variables = (
+            private_api.tf1_loss_scale_variables(self._loss_scale)
+            if isinstance(self._loss_scale, _TF_LOSS_SCALE)
+            else list(self._loss_scale.variables))
+        return self._optimizer.variables() + scale_variables

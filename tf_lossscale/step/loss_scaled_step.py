@@ -20,20 +20,21 @@ from typing import Callable, NamedTuple
 
 import tensorflow as tf
 
-from tf_lossscale._internal import step_arguments
+from tf_lossscale._internal import checks
 from tf_lossscale.loss_scales import xla_record
 from tf_lossscale.ops import finiteness
 from tf_lossscale.ops import float16
 from tf_lossscale.ops import replicas
 from tf_lossscale.ops import unscaling
 
+
 def scale_loss(loss, loss_scale):
     """`loss * loss_scale()` in the loss's dtype; for a callable `loss`, a
     callable that returns it. A loss that is not floating-point raises
-    TypeError (`step_arguments.checked_loss`)."""
+    TypeError (`checks.loss`)."""
     if callable(loss):
         return lambda: scale_loss(loss(), loss_scale)
-    loss = step_arguments.checked_loss(loss)
+    loss = checks.loss(loss)
     return loss * tf.cast(loss_scale(), loss.dtype)
 
 

@@ -6,7 +6,7 @@
    (taken and released, timed a thousand at a time). The update is the
    cheapest eager step a loss scale takes, so the lock's share is the
    largest it can be.
-2. The step's argument checks (`tf_lossscale._internal.step_arguments`): an eager
+2. The step's argument checks (`tf_lossscale._internal.checks`): an eager
    `apply_gradients` of the Keras 3 `LossScaleOptimizer` (SGD inside) on
    200 small variables (20 in quick runs), with the checks and with them
    replaced by a plain `list`, and the checks alone. Many small variables
@@ -26,7 +26,7 @@ import tensorflow as tf
 import tf_lossscale
 from lsbench import timing
 from lsbench.sections import fit_step
-from tf_lossscale._internal import step_arguments
+from tf_lossscale._internal import checks
 
 NAME = "checks"
 TITLE = "Eager costs"
@@ -109,14 +109,14 @@ def step_check_cost(report, settings):
     optimizer = tf_lossscale.LossScaleOptimizer(
         keras.optimizers.SGD(1e-6), loss_scale=1)
     pairs = list(zip(grads, weights))
-    checked = step_arguments.check
+    checked = checks.gradients
 
     def step(check):
-        step_arguments.check = check
+        checks.gradients = check
         try:
             optimizer.apply_gradients(pairs)
         finally:
-            step_arguments.check = checked
+            checks.gradients = checked
 
     medians = _medians(timing.interleaved({
         "apply_gradients, checked": lambda: step(checked),
