@@ -108,7 +108,7 @@ def test_readme_command_overflows_organically_without_the_extras():
 @pytest.mark.parametrize("flag, expected", [
     ("--plot=scale.jpg", "flag --plot=scale.jpg: must be a path ending in "
      ".png"),
-    ("--steps=0", "flag --steps=0: 0 is not a positive integer"),
+    ("--steps=0", "flag --steps=0: must be an int >= 1"),
     ("--config={bad_config}", "error: unknown config key 'learning_rat'"),
 ])
 def test_bad_flag_or_config_exits_nonzero_naming_it(tmp_path, flag, expected):
@@ -322,13 +322,44 @@ def test_flags_default_to_a_plain_run_of_the_config():
         "log_skips": False}
 
 
-@pytest.mark.parametrize("flag", [
-    "--steps=0", "--steps=2.0", "--num_devices=0",
-    "--inject_nonfinite_every=-1", "--plot=scale.jpg", "--log_skips=yes",
+@pytest.mark.parametrize("flag, reason", [
+    ("--steps=0", "must be an int >= 1"),
+    ("--steps=2.0", ""),  # Not an integer flag's value.
+    ("--num_devices=0", "must be an int >= 1"),
+    ("--inject_nonfinite_every=-1", "must be an int >= 0"),
+    ("--plot=scale.jpg", "must be a path ending in .png"),
+    ("--log_skips=yes", ""),  # Not a bool flag's value.
 ])
-def test_invalid_flag_is_rejected_naming_it(flag):
-    with pytest.raises(flags.Error, match=f"^flag {re.escape(flag)}: "):
+def test_invalid_flag_is_rejected_naming_it(flag, reason):
+    # A value of the flag's type gets the check `run` makes (below).
+    with pytest.raises(flags.Error,
+                       match=f"^flag {re.escape(flag)}: {re.escape(reason)}"):
         _parsed_flags(flag)
+
+
+@pytest.mark.parametrize("option, value, kind", [
+    ("steps", 0, "an int >= 1"),
+    ("steps", 2.0, "an int >= 1"),
+    ("num_devices", 0, "an int >= 1"),
+    ("inject_nonfinite_every", -1, "an int >= 0"),
+    ("logdir", ["runs"], "a path"),
+    ("plot", "scale.jpg", "a path ending in .png"),
+    ("plot", 3, "a path ending in .png"),
+    ("log_skips", "yes", "a bool"),
+])
+def test_invalid_option_of_run_is_rejected_before_training(option, value,
+                                                           kind, capsys):
+    with pytest.raises(demo.ConfigError) as error:
+        demo.run(demo.Config(), **{option: value})
+
+    assert str(error.value) == f"{option} must be {kind}, got {value!r}"
+    assert capsys.readouterr().out == ""  # No progress bar: no training.
+
+
+def test_run_takes_only_a_config():
+    with pytest.raises(demo.ConfigError, match=re.escape(
+            "config must be a tf_lossscale.demo.Config, got {'steps': 3}")):
+        demo.run({"steps": 3})
 
 
 @pytest.mark.parametrize("identifier", ["dynamic", 128, 256.0])

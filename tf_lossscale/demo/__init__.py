@@ -1,12 +1,7 @@
-"""Demo: a float16 run with `tf_lossscale`, and what its loss scale does.
-
-`python -m tf_lossscale.demo` (`__main__`) trains a small classifier in
-`mixed_float16` on synthetic data (`training.run`, as a `config.Config` says)
-and can plot its loss scale (`plot`); docs/guides/monitoring.md shows a run.
-The README's figure is made by
-
-    python -m tf_lossscale.demo --num_devices=2 --plot=docs/loss_scale.png
-"""
+"""Demo: a float16 run with `tf_lossscale`, and what its loss scale does
+(`python -m tf_lossscale.demo`; docs/guides/monitoring.md shows a run). The
+README's figure: `python -m tf_lossscale.demo --num_devices=2
+--plot=docs/loss_scale.png`."""
 
 from tf_lossscale.demo.config import Config
 from tf_lossscale.demo.config import ConfigError

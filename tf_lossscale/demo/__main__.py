@@ -1,8 +1,6 @@
-"""`python -m tf_lossscale.demo`: the demo's command line.
-
-The flags are registered when the command runs, not when the demo package is
-imported, so importing it leaves absl's global flags alone.
-"""
+"""`python -m tf_lossscale.demo`: the demo's command line. Its flags are
+registered when the command runs, not when the demo is imported, so importing
+it leaves absl's global flags alone."""
 
 import sys
 
@@ -15,32 +13,33 @@ from tf_lossscale.demo import training
 
 
 def define_flags(values=flags.FLAGS):
-    """Registers the demo's flags in `values` (absl's `FlagValues`)."""
+    """Registers the demo's flags in `values` (absl's `FlagValues`):
+    `--config` and the options of `run`, checked as `run` checks them."""
     flags.DEFINE_string(
         "config", None, "path to a JSON training config; keys it leaves out "
         "take their defaults (configs/demo.json lists them)",
         flag_values=values)
     flags.DEFINE_integer(
         "steps", None, "optimizer steps to train, applied or skipped; "
-        "default: the config's", lower_bound=1, flag_values=values)
+        "default: the config's", flag_values=values)
     flags.DEFINE_integer(
         "num_devices", 1, "replicas of a MirroredStrategy over logical CPU "
-        "devices; 1: no strategy", lower_bound=1, flag_values=values)
+        "devices; 1: no strategy", flag_values=values)
     flags.DEFINE_integer(
         "inject_nonfinite_every", 0, "put a NaN into every N-th batch, in the "
-        "last replica's part; 0: never", lower_bound=0, flag_values=values)
+        "last replica's part; 0: never", flag_values=values)
     flags.DEFINE_string(
         "logdir", None, "where to write TensorBoard event files; needs the "
         "tensorboard extra", flag_values=values)
     flags.DEFINE_string(
         "plot", None, "where to write a PNG plot of the loss scale; needs the "
         "plot extra", flag_values=values)
-    flags.register_validator(
-        "plot", lambda path: path is None or path.lower().endswith(".png"),
-        "must be a path ending in .png", flag_values=values)
     flags.DEFINE_bool(
         "log_skips", False, "print skipped steps as they happen, rate-limited, "
         "with the variables whose gradients overflowed", flag_values=values)
+    for name, (kind, usable) in config_lib.OPTIONS.items():
+        flags.register_validator(name, usable, f"must be {kind}",
+                                 flag_values=values)
 
 
 def _run(argv):
@@ -54,12 +53,8 @@ def _run(argv):
     try:
         # Before the config builds its loss scale and optimizer.
         training.configure_devices(values.num_devices)
-        result = training.run(
-            config_lib.Config.load(values.config), steps=values.steps,
-            num_devices=values.num_devices,
-            inject_nonfinite_every=values.inject_nonfinite_every,
-            logdir=values.logdir, plot=values.plot,
-            log_skips=values.log_skips)
+        result = training.run(config_lib.Config.load(values.config), **{
+            name: values[name].value for name in config_lib.OPTIONS})
     except (config_lib.ConfigError, training.MissingExtraError) as err:
         sys.exit(f"error: {err}")
     if values.plot:

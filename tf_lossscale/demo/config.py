@@ -1,23 +1,24 @@
-"""The demo's training config: a frozen dataclass, read from a JSON file.
-
-`configs/demo.json` spells out the defaults; keys a file leaves out take
-theirs. A bad key or value raises `ConfigError` naming it and the value.
-"""
+"""The demo's configuration: a frozen dataclass read from a JSON file
+(`configs/demo.json` spells out the defaults), and the options of `run`,
+which are also the command line's flags. A bad key, value or option raises
+`ConfigError` naming it and the value."""
 
 import copy
 import dataclasses
 import json
 import math
+import os
 import pathlib
 from typing import Any
 
 import keras
 
 import tf_lossscale
+from tf_lossscale._internal import checks
 
 
 class ConfigError(ValueError):
-    """A config key or value that cannot be used; names it."""
+    """A config key or value, or an option of `run`, that cannot be used."""
 
 
 def loss_scale(identifier):
@@ -41,14 +42,23 @@ def inner_optimizer(identifier):
     return keras.optimizers.get(copy.deepcopy(identifier))
 
 
-def _int_at_least(minimum):
-    # type() is int: JSON's true and false arrive as bools, which are ints.
-    return f"an int >= {minimum}", lambda value: (
-        type(value) is int and value >= minimum)  # pylint: disable=unidiomatic-typecheck
+def _int_at_least(minimum, optional=False):
+    def usable(value):
+        # type() is int: JSON's true and false arrive as bools, which are ints.
+        return (optional and value is None) or (
+            type(value) is int and value >= minimum)  # pylint: disable=unidiomatic-typecheck
+    return f"an int >= {minimum}", usable
 
 
-# What each key must be, and a check that returns whether a value is, or
-# raises TypeError/ValueError saying why not; the other keys: ints >= 1.
+def _optional_path(suffix=""):
+    def usable(value):
+        return value is None or isinstance(value, (str, os.PathLike)) and (
+            os.fspath(value).lower().endswith(suffix))
+    return f"a path{suffix and ' ending in ' + suffix}", usable
+
+
+# What a value must be, and a check that returns whether it is (or raises
+# TypeError/ValueError saying why not). Config keys not listed: ints >= 1.
 _KINDS = {
     "loss_scale": ("a tf_lossscale.get identifier: a number, 'dynamic' or "
                    "{'class_name': ..., 'config': {...}}", loss_scale),
@@ -59,6 +69,27 @@ _KINDS = {
     "num_classes": _int_at_least(2),
     "seed": _int_at_least(0),
 }
+# The options of `run` and the command line (None: not given).
+OPTIONS = {
+    "steps": _int_at_least(1, optional=True),
+    "num_devices": _int_at_least(1),
+    "inject_nonfinite_every": _int_at_least(0),
+    "logdir": _optional_path(),
+    "plot": _optional_path(".png"),
+    "log_skips": ("a bool", lambda value: isinstance(value, bool)),
+}
+
+
+def check(name, value, kind, is_usable):
+    """Raises `ConfigError` ("`name` must be `kind`, got `value`") unless
+    `is_usable(value)`."""
+    try:
+        usable, reason = is_usable(value), ""
+    except (TypeError, ValueError) as err:
+        usable, reason = False, f": {err}"
+    if not usable:
+        raise ConfigError(
+            f"{name} must be {kind}, got {checks.summary(value)}{reason}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,15 +115,8 @@ class Config:
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            kind, check = _KINDS.get(field.name) or _int_at_least(1)
-            try:
-                usable, reason = check(value), ""
-            except (TypeError, ValueError) as err:
-                usable, reason = False, f": {err}"
-            if not usable:
-                raise ConfigError(f"config key {field.name!r} must be {kind}, "
-                                  f"got {value!r}{reason}")
+            check(f"config key {field.name!r}", getattr(self, field.name),
+                  *_KINDS.get(field.name, _int_at_least(1)))
 
     @classmethod
     def load(cls, path=None):

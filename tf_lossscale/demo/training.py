@@ -1,8 +1,9 @@
-"""The demo's training run: devices, synthetic data, the model, `run`."""
+"""The demo's training run: devices, synthetic data, the model, `run`, and
+the plot of its loss scale."""
 
-import contextlib
 import dataclasses
 import importlib
+import pathlib
 
 import keras
 import numpy as np
@@ -10,7 +11,6 @@ import tensorflow as tf
 
 import tf_lossscale
 from tf_lossscale.demo import config as config_lib
-from tf_lossscale.demo import plot as plot_lib
 
 
 class MissingExtraError(ImportError):
@@ -42,9 +42,9 @@ def configure_devices(num_devices):
 def make_strategy(num_devices):
     """MirroredStrategy over the first `num_devices` CPUs (reducing through
     one device, so that a process can run it with several device counts);
-    None for one."""
+    the default strategy for one."""
     if num_devices == 1:
-        return None
+        return tf.distribute.get_strategy()
     return tf.distribute.MirroredStrategy(
         [f"/cpu:{index}" for index in range(num_devices)],
         cross_device_ops=tf.distribute.ReductionToOneDevice())
@@ -130,13 +130,22 @@ class DemoResult:
 
 def run(config, steps=None, num_devices=1, inject_nonfinite_every=0,
         logdir=None, plot=None, log_skips=False, verbose=1):
-    """Trains the demo model as `config` (a `Config`) and the command line's
-    flags say (`verbose`: Keras' `fit` verbosity); returns a `DemoResult`.
+    """Trains the demo model as `config` (a `Config`) and the options (the
+    command line's flags: `config.OPTIONS`) say, with Keras' `verbose`;
+    returns a `DemoResult`.
 
     Raises (before training):
-      ConfigError: the batch does not split evenly over the devices.
+      ConfigError: `config` is no `Config`, an option is bad, or the batch
+        does not split evenly over the devices.
       MissingExtraError: `logdir` or `plot` needs a package not installed.
     """
+    config_lib.check("config", config, "a tf_lossscale.demo.Config",
+                     lambda value: isinstance(value, config_lib.Config))
+    for name, value in (("steps", steps), ("num_devices", num_devices),
+                        ("inject_nonfinite_every", inject_nonfinite_every),
+                        ("logdir", logdir), ("plot", plot),
+                        ("log_skips", log_skips)):
+        config_lib.check(name, value, *config_lib.OPTIONS[name])
     if logdir is not None:
         require_extra("logdir", "tensorboard", "tensorboard")
     if plot is not None:
@@ -149,7 +158,7 @@ def run(config, steps=None, num_devices=1, inject_nonfinite_every=0,
     steps = config.steps if steps is None else steps
     features, labels = synthetic_data(config)
     strategy = make_strategy(num_devices)
-    with strategy.scope() if strategy else contextlib.nullcontext():
+    with strategy.scope():
         model = build_model(config)
         inner = config_lib.inner_optimizer(config.optimizer)
         inner.learning_rate = config.learning_rate
@@ -187,5 +196,39 @@ def run(config, steps=None, num_devices=1, inject_nonfinite_every=0,
             labels, model(features, training=False)))),
         loss_scales=scales)
     if plot is not None:
-        plot_lib.plot_loss_scale(result, plot)
+        plot_loss_scale(result, plot)
     return result
+
+
+def plot_loss_scale(result, path):
+    """Writes a PNG of `result`'s loss scale over the steps to `path`, with
+    matplotlib's Agg backend (not pyplot), skipped steps marked."""
+    # pylint: disable=g-import-not-at-top
+    from matplotlib.backends import backend_agg
+    from matplotlib import figure
+    # Step k ran with the scale before it, loss_scales[k - 1].
+    steps = np.arange(1, len(result.loss_scales))
+    used = np.asarray(result.loss_scales[:-1])
+    skipped = np.asarray(result.skipped_at, dtype=int)
+    fig = figure.Figure(figsize=(8, 3.6), dpi=100, layout="constrained")
+    backend_agg.FigureCanvasAgg(fig)
+    axes = fig.add_subplot()
+    # Calibration: the skips that run without a break from step 1.
+    calibration = next((i for i, step in enumerate(result.skipped_at)
+                        if step != i + 1), len(result.skipped_at))
+    if calibration:
+        axes.axvspan(0.5, calibration + 0.5, color="tab:orange", alpha=0.15,
+                     label=f"calibration (steps 1-{calibration})")
+    axes.step(steps, used, where="post", color="tab:blue",
+              label="loss scale the step ran with")
+    axes.plot(skipped, used[skipped - 1], "v", color="tab:red",
+              label=f"skipped step, scale halved ({len(skipped)})")
+    axes.set_yscale("log", base=2)
+    axes.set(xlim=(0, len(steps) + 1), ylabel="loss scale (log2 axis)",
+             xlabel="optimizer step (applied or skipped)")
+    axes.set_title(f"{len(steps)} float16 steps: {result.applied_steps} "
+                   f"applied, {result.skipped_steps} skipped")
+    axes.grid(True, which="major", alpha=0.3)
+    axes.legend(loc="upper right")
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")

@@ -1,10 +1,6 @@
-"""The advice of a float16 diagnosis, worked out from its figures: the range
-of loss scales (as positions among the probed scales), the layers to keep
-in float32 with their reasons, and the advice in words.
-
-The figures are `Float16Diagnosis.as_dict()`'s: its rows per layer and per
-variable and its counts of batches.
-"""
+"""The advice of a float16 diagnosis, from its figures (`as_dict()`'s): the
+range of loss scales (as indices of the probed scales), the layers to keep
+in float32 with their reasons, and the advice in words."""
 
 from tf_lossscale.diagnosis import text
 from tf_lossscale.ops import float16
@@ -15,16 +11,15 @@ ACTIVATION_MARGIN_LOG2 = 1.0
 
 
 def measured_batches(figures):
-    """Batches whose float16 forward pass was finite: the only ones whose
-    backward pass can be compared."""
+    """Batches whose float16 forward pass was finite: those whose backward
+    pass is measured."""
     return (figures["batches"] - figures["input_nonfinite_batches"]
             - figures["forward_nonfinite_batches"])
 
 
 def top_index(figures, overflow_tolerance):
-    """The last of the probed scales, from the lowest up, at which at most
-    `overflow_tolerance` of the measured batches overflowed; None if
-    none."""
+    """The last probed scale, from the lowest up, at which at most
+    `overflow_tolerance` of the measured batches overflowed; None if none."""
     measured = measured_batches(figures)
     top = None
     for index, batches in enumerate(figures["overflow_batches"]):
@@ -43,8 +38,17 @@ def bottom_index(top, variables, tolerance):
         share[index] <= share[top] + tolerance for share in shares))
 
 
+def float16_gradients(figures):
+    """`(layer name, largest gradient)` of each float16 layer's outputs and
+    variables whose gradient was measured."""
+    return [(row.get("layer", row["name"]), row["gradient_max"])
+            for row in figures["layers"] + figures["variables"]
+            if row["compute_dtype"] == "float16" and row["gradient_max"]]
+
+
 def float32_reasons(figures, top, tolerance):
-    """{layer name: why it should compute in float32}, in layer order."""
+    """{layer name: why it should compute in float32}: each layer's first
+    reason."""
     reasons = {}
     for name, reason in (
             _output_reasons(figures["layers"])
@@ -84,15 +88,10 @@ def _overflow_reasons(figures, top):
     if top is not None or measured_batches(figures) <= 0:
         return []
     lowest = figures["scales"][0]
-    return [(row.get("layer", row["name"]), (
-        f"gradients reach {text.number(row['gradient_max'] * lowest)} at "
-        f"loss scale {text.pow2(lowest)}, above float16's 65504"))
-            for row in figures["layers"] + figures["variables"]
-            if row["compute_dtype"] == "float16" and row["gradient_max"]
-            and row["gradient_max"] * lowest > float16.FLOAT16_MAX]
-
-
-# In words.
+    return [(name, f"gradients reach {text.number(largest * lowest)} at loss "
+                   f"scale {text.pow2(lowest)}, above float16's 65504")
+            for name, largest in float16_gradients(figures)
+            if largest * lowest > float16.FLOAT16_MAX]
 
 
 def sentences(figures, reasons):

@@ -3,7 +3,6 @@ cannot hold in float32, checked on the diagnosed batches and compiled."""
 
 from tf_lossscale.diagnosis import models
 from tf_lossscale.keras3 import loss_scale_optimizer
-from tf_lossscale.ops import float16
 
 
 def fixed_model(model, report, arguments, diagnose):
@@ -29,8 +28,8 @@ def fixed_model(model, report, arguments, diagnose):
         fixed = models.rebuilt(model, keep)
         checked = diagnose(fixed, **arguments)
         first = checked.first_nonfinite_layer
-        if first is not None and float16.compute_dtype(
-                fixed.get_layer(first)) != "float16":
+        if first is not None and (
+                fixed.get_layer(first).compute_dtype != "float16"):
             raise ValueError(
                 f"the outputs of layer {first!r} of model {model.name!r} are "
                 "not finite on the diagnosed batches even though it computes "

@@ -1,30 +1,21 @@
 """`diagnose`: why a float16 run fails, measured on a few batches.
 
-    report = tf_lossscale.diagnose(model, dataset, steps=8)
-    print(report)                 # a readable report, with its advice
-    fixed = report.fix(model)     # the model rebuilt to train in float16
-
 Each batch runs on a float32 twin of the model (the reference) and as the
 model computes, once per probed loss scale (`passes.py`); `report.py` turns
-the figures into advice. What is measured and why:
-docs/guides/float16-troubleshooting.md.
+the figures into advice (docs/guides/float16-troubleshooting.md).
 """
 
 import itertools
-
-import tensorflow as tf
 
 from tf_lossscale.diagnosis import models
 from tf_lossscale.diagnosis import passes
 from tf_lossscale.diagnosis import report
 from tf_lossscale._internal import checks
 
-DEFAULT_SCALES = tuple(2.0 ** k for k in range(33))
 
-
-def diagnose(model, data, steps=8, *, loss=None, scales=DEFAULT_SCALES,
-             overflow_tolerance=report.OVERFLOW_TOLERANCE,
-             underflow_tolerance=report.UNDERFLOW_TOLERANCE):
+def diagnose(model, data, steps=8, *, loss=None,
+             scales=tuple(2.0 ** k for k in range(33)),
+             overflow_tolerance=0.05, underflow_tolerance=0.01):
     """Measures where a float16 model overflows and underflows; returns a
     `Float16Diagnosis`.
 
@@ -47,8 +38,8 @@ def diagnose(model, data, steps=8, *, loss=None, scales=DEFAULT_SCALES,
       scales: the loss scales to run the float16 backward pass at, > 0,
         increasing.
       overflow_tolerance: the share of batches (0 to 1) whose backward pass
-        may overflow at the advised highest scale: 0.05 by default, which
-        with fewer than 20 batches means none.
+        may overflow at the advised highest scale (with fewer than 20
+        batches, by default none).
       underflow_tolerance: how much more of a variable's gradient may
         underflow at the advised lowest scale than at the highest (a share,
         0 to 1).
@@ -60,10 +51,12 @@ def diagnose(model, data, steps=8, *, loss=None, scales=DEFAULT_SCALES,
         `underflow_tolerance`; no loss; or a batch that does not split
         evenly over the replicas.
     """
-    steps, scales = _checked_steps_and_scales(steps, scales)
-    arguments = {name: _checked_share(name, value) for name, value in (
-        ("overflow_tolerance", overflow_tolerance),
-        ("underflow_tolerance", underflow_tolerance))}
+    arguments = {
+        name: checks.finite_float32(name, value, at_least=0, at_most=1)
+        for name, value in (("overflow_tolerance", overflow_tolerance),
+                            ("underflow_tolerance", underflow_tolerance))}
+    steps = checks.positive_int("steps", steps)
+    scales = _checked_scales(scales)
     loss, loss_fn = _loss(model, loss)
     batches = _batches(data, steps)
     arguments.update(data=batches, steps=len(batches), loss=loss,
@@ -72,12 +65,7 @@ def diagnose(model, data, steps=8, *, loss=None, scales=DEFAULT_SCALES,
     return report.Float16Diagnosis(figures, arguments, diagnose)
 
 
-def _checked_steps_and_scales(steps, scales):
-    if not isinstance(steps, int) or isinstance(steps, bool):
-        raise TypeError(f"steps must be an int >= 1, got "
-                        f"{checks.summary(steps)}")
-    if steps < 1:
-        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+def _checked_scales(scales):
     try:
         scales = [float(scale) for scale in scales]
     except (TypeError, ValueError) as err:
@@ -87,20 +75,11 @@ def _checked_steps_and_scales(steps, scales):
             b <= a for a, b in zip(scales, scales[1:])):
         raise ValueError("scales must be finite numbers > 0 in increasing "
                          f"order, got {checks.summary(scales)}")
-    return steps, scales
-
-
-def _checked_share(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number in [0, 1], got "
-                        f"{checks.summary(value)}")
-    if not 0 <= value <= 1:
-        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
-    return float(value)
+    return scales
 
 
 def _loss(model, loss):
-    """The loss as given (or compiled), and a function `(y_true, y_pred) ->
+    """The loss as given or compiled, and a function `(y_true, y_pred) ->
     per-example losses`."""
     models.check_model(model)
     identifier = loss if loss is not None else getattr(model, "loss", None)
@@ -120,8 +99,6 @@ def _loss(model, loss):
 
 
 def _batches(data, steps):
-    if isinstance(data, tf.data.Dataset):
-        data = data.take(steps)
     batches = []
     for index, batch in enumerate(itertools.islice(iter(data), steps)):
         if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):

@@ -1,13 +1,10 @@
 """The models a float16 diagnosis runs: a probe of the model's own layers,
-and copies rebuilt from its config with chosen layers computing in float32.
-
-Copies come from `from_config`, not `clone_model`, which keeps each layer's
-saved dtype policy and fails on a compiled lambda loss.
-"""
+and copies rebuilt from its config (not by `clone_model`, which keeps each
+layer's dtype policy and fails on a compiled lambda loss) with chosen layers
+computing in float32."""
 
 import tensorflow as tf
 
-from tf_lossscale.ops import float16
 from tf_lossscale.step import optimizer_protocol
 from tf_lossscale._internal import checks
 
@@ -15,7 +12,7 @@ _FLOAT16_POLICIES = ("mixed_float16", "float16")
 
 
 def keras_module(model):
-    """The Keras that made `model`: keras (3) or tf_keras, imported here."""
+    """The Keras that made `model`: keras (3) or tf_keras."""
     # pylint: disable=g-import-not-at-top
     if optimizer_protocol.comes_from_tf_keras(model):
         import tf_keras
@@ -28,7 +25,7 @@ def probed_layers(model):
     """The model's top-level layers other than its inputs, in the order the
     model runs them."""
     return [layer for layer in model.layers
-            if not float16.is_input_layer(layer)]
+            if type(layer).__name__ != "InputLayer"]
 
 
 def _is_sequential(model):
@@ -63,7 +60,6 @@ def probe(model):
     layer's output tensors, and the model's output. A Sequential model runs
     its layers in turn (one rebuilt from its config keeps a first, unused
     graph in its layers)."""
-    check_model(model)
     layers = probed_layers(model)
     if _is_sequential(model):
 
@@ -140,7 +136,7 @@ def rebuilt(model, names=None):
         ) from err
     for layer in probed_layers(copied):
         if (names is None or layer.name in names) and (
-                float16.compute_dtype(layer) == "float16"):
+                layer.compute_dtype == "float16"):
             raise TypeError(
                 f"could not make layer {layer.name!r} compute in float32 "
                 "through the model's config")

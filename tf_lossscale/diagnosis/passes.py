@@ -1,11 +1,10 @@
 """The passes of a float16 diagnosis over its batches, and their figures.
 
-Per batch, in every replica of the model's strategy: the float32 twin's
-forward and backward pass at scale 1, then the model's own (float16) at each
-probed scale, each reduced to a few figures per layer and per variable
-(maxima, finiteness flags, underflow counts against the twin's gradients of
-the same batch). The replicas' figures are combined (counts summed, the rest
-maxima), then the batches' into the rows `Float16Diagnosis` reads.
+Per batch, in every replica: the float32 twin's forward and backward pass at
+scale 1, then the model's own at each probed scale, each reduced to a few
+figures per layer and per variable (maxima, finiteness flags, underflow
+counts against the twin's gradients). The replicas' figures are combined
+(counts summed, the rest maxima), then the batches' into rows.
 """
 
 import numpy as np
@@ -19,12 +18,8 @@ _SUMMED = ("underflow", "nonzero")
 
 
 class Passes:
-    """The model's two runs over its batches, under its strategy.
-
-    Args:
-      model: the model (see `diagnose`).
-      loss_fn: `(y_true, y_pred) -> per-example losses`.
-    """
+    """The two runs of `model` over its batches, under its strategy, with
+    `loss_fn`: `(y_true, y_pred) -> per-example losses`."""
 
     def __init__(self, model, loss_fn):
         self._loss_fn = loss_fn
@@ -37,7 +32,7 @@ class Passes:
         self._variables = list(model.trainable_variables)
         owner = float16.owners(model)
         self._variable_layers = [owner.get(id(v)) for v in self._variables]
-        self._float16_layer = [float16.compute_dtype(layer) == "float16"
+        self._float16_layer = [layer.compute_dtype == "float16"
                                for layer in self._layers]
         half = {id(v) for v in float16.float16_variables(model)}
         self._float16_variable = [id(v) in half for v in self._variables]
@@ -49,8 +44,6 @@ class Passes:
             lambda batch, scale, float32_grads: self._replicated(
                 self._float16_pass, batch, scale, float32_grads)[0],
             reduce_retracing=True)
-
-    # The loss, per replica.
 
     def _loss(self, y, y_pred, sample_weight):
         # In the dtype fit computes it in: Keras 3's losses cast the outputs
@@ -84,7 +77,6 @@ class Passes:
             for g in grads[1]]
 
     # Each replica's figures: float32 vectors.
-
     def _float32_pass(self, batch):
         layer_outputs, output_grads, grads = self._forward_backward(
             self._twin_probe, self._twin.trainable_variables, batch, 1.0)
@@ -133,25 +125,20 @@ class Passes:
                                              self._float16_variable)]),
             "nonzero": measured * _per_item(
                 float16.nonzero_count, float32_grads),
-        }
+        }, None
 
     def _replicated(self, fn, *args):
-        """`fn(*args)` in every replica; its figures gathered and combined;
-        other outputs stay per replica."""
+        """`fn(*args)` in every replica: its figures combined over the
+        replicas, its other output per replica."""
 
         def in_replica(*args):
-            result = fn(*args)
-            figures, rest = (result if isinstance(result, tuple)
-                             else (result, None))
+            figures, rest = fn(*args)
             return {key: value[None] for key, value in figures.items()}, rest
 
         figures, rest = self._strategy.run(in_replica, args=args)
-        combined = {}
-        for key, value in figures.items():
-            gathered = self._strategy.gather(value, axis=0)
-            combined[key] = (tf.reduce_sum if key in _SUMMED
-                             else tf.reduce_max)(gathered, axis=0)
-        return combined, rest
+        return {key: (tf.reduce_sum if key in _SUMMED else tf.reduce_max)(
+            self._strategy.gather(value, axis=0), axis=0)
+                for key, value in figures.items()}, rest
 
     def _distribute(self, batch):
         """The batch as each replica's part of it (the batch itself without
@@ -174,8 +161,6 @@ class Passes:
 
         return self._strategy.experimental_distribute_values_from_function(
             replica_part)
-
-    # The figures of all batches.
 
     def figures(self, batches, scales):
         """The figures of `batches` at `scales`: counts of batches, and one
@@ -219,7 +204,7 @@ class Passes:
             # Against float16's range only where float16 holds the values.
             rows.append({
                 "name": layer.name,
-                "compute_dtype": float16.compute_dtype(layer),
+                "compute_dtype": layer.compute_dtype,
                 "activation_max": float(f16["activation_max"][0, index]),
                 "activation_max_float32": largest,
                 "activation_headroom_log2": (
@@ -239,7 +224,8 @@ class Passes:
             largest = float(f32["variable_gradient_max"][index])
             count = float(f16["nonzero"][0, index])
             rows.append({
-                "name": float16.variable_name(variable),
+                # A Keras 3 variable's path, or a tf-keras variable's name.
+                "name": getattr(variable, "path", None) or variable.name,
                 "layer": None if layer is None else layer.name,
                 "compute_dtype": "float16" if half else "float32",
                 "size": int(np.prod(variable.shape)),

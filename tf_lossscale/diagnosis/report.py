@@ -1,7 +1,5 @@
-"""`Float16Diagnosis`: what `tf_lossscale.diagnose` measured, its advice, and
-what to do with it: a loss scale, a fixed model, and three views (text, a
-dict, a plot). What each figure means: docs/guides/float16-troubleshooting.md.
-"""
+"""`Float16Diagnosis`: what `tf_lossscale.diagnose` measured, its advice, a
+loss scale, a fixed model, and three views (text, a dict, a plot)."""
 
 import copy
 
@@ -10,12 +8,6 @@ from tf_lossscale.diagnosis import fix as fix_lib
 from tf_lossscale.diagnosis import text
 from tf_lossscale.loss_scales import dynamic_loss_scale
 from tf_lossscale.ops import float16
-
-# Default tolerances: the share of batches that may overflow at the top of
-# the advised range, and how much more of a gradient may underflow at its
-# bottom than at its top.
-OVERFLOW_TOLERANCE = 0.05
-UNDERFLOW_TOLERANCE = 0.01
 
 
 class Float16Diagnosis:
@@ -27,10 +19,8 @@ class Float16Diagnosis:
     for the advised range and `fix(model)` the model rebuilt to train.
     Attributes: `loss_scale_range` (`(lowest, highest)` advised, or None),
     `keep_in_float32` (layer names), `first_nonfinite_layer` (a layer name
-    or None), `underflowing_variables` (variable names).
-
-    For `fix`, the report keeps what `diagnose` ran with: references to its
-    batches (not copies) and its loss.
+    or None), `underflowing_variables` (variable names). For `fix`, it keeps
+    what `diagnose` ran with: references to its batches, and its loss.
     """
 
     def __init__(self, figures, arguments, diagnose):
@@ -67,16 +57,14 @@ class Float16Diagnosis:
             initial_loss_scale=max(low, high / 2), min_loss_scale=low)
 
     def fix(self, model):
-        """A new compiled model: `model` (the one diagnosed: functional or
-        Sequential, Keras 3 or tf-keras, compiled) rebuilt with the layers
-        float16 cannot hold in float32, every other layer's dtype policy
-        kept, and its weights. Before it is returned, it is diagnosed on the
-        same batches and the layers still named join the float32 ones until
-        its forward pass is finite. Compiled with the original's compile
-        settings and a `LossScaleOptimizer` around a new inner optimizer from
-        the original's config, with its own diagnosis' `loss_scale()`; the
-        optimizer's slots and step count do not carry over. `model` is left
-        as it was. The guide (float16-troubleshooting.md) has the details.
+        """A new compiled model: `model` (the one diagnosed, compiled)
+        rebuilt with its weights and the layers float16 cannot hold in
+        float32, and more of them until the same batches' forward pass is
+        finite; every other layer keeps its dtype policy. Compiled as
+        `model` was, with a `LossScaleOptimizer` around a new inner optimizer
+        from the original's config and the new model's `loss_scale()`.
+        `model` is left as it was. What carries over and what does not:
+        docs/guides/float16-troubleshooting.md.
 
         Raises:
           TypeError: `model` is not a functional or Sequential model, or
@@ -92,10 +80,7 @@ class Float16Diagnosis:
         """log2 of the largest loss scale the float16 gradients measured in
         float32 allow (outputs' and variables' gradients of float16 layers);
         None if no such gradient was measured."""
-        largest = [row["gradient_max"] for row in
-                   self._figures["layers"] + self._figures["variables"]
-                   if row["compute_dtype"] == "float16"
-                   and row["gradient_max"]]
+        largest = [g for _, g in advice_lib.float16_gradients(self._figures)]
         return float16.headroom_log2(max(largest)) if largest else None
 
     def advice(self):
@@ -132,8 +117,7 @@ class Float16Diagnosis:
     def plot(self, path):
         """Writes a PNG: each float16 layer's headroom (outputs and output
         gradients), and each float16 variable's underflow share over the
-        probed loss scales with the overflowing scales and the advised
-        range marked.
+        probed loss scales, the overflowing ones and the advised range marked.
 
         Raises:
           ImportError: matplotlib, the "plot" extra, is not installed.

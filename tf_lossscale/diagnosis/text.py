@@ -17,10 +17,7 @@ def pow2(value, python=False):
 
 
 def number(value, digits=".3g"):
-    if value is None:
-        return "-"
-    return str(value) if math.isinf(value) or math.isnan(value) else (
-        format(value, digits))
+    return "-" if value is None else format(value, digits)
 
 
 def share(value):

@@ -1,8 +1,6 @@
 """`LossScaleMonitor`: the Keras callback that puts the loss scale and the
-skipped steps in Keras' logs, and prints skipped steps by burst.
-
-What it logs, what it costs and how it prints: docs/guides/monitoring.md.
-"""
+skipped steps in Keras' logs, and prints skipped steps by burst
+(docs/guides/monitoring.md)."""
 
 import keras
 
@@ -13,7 +11,7 @@ from tf_lossscale.monitor import xla_callback
 from tf_lossscale.ops import float16
 
 # Skips at most this many steps apart belong to one burst (a line for its
-# first skip, one summary line for the rest); read when training begins.
+# first skip, one summary line for the rest).
 BURST_GAP_STEPS = 10
 # A burst still going on is summarized after this many unreported skips.
 BURST_SUMMARY_SKIPS = 100
@@ -32,62 +30,53 @@ def _steps(first, last):
 class _SkipPrinter:
     """Prints one `fit`'s skipped steps: a line for the first skip of a burst
     (naming the variables that overflowed: one small read), one for the rest
-    when the burst ends or reaches `summary_skips` skips."""
+    when the burst ends or has `BURST_SUMMARY_SKIPS` of them."""
 
-    def __init__(self, optimizer, gap_steps, summary_skips):
+    def __init__(self, optimizer):
         self._optimizer = optimizer
-        self._gap_steps = gap_steps
-        self._summary_skips = summary_skips
         self._last = None  # The burst's last skipped step; None: no burst.
-        self._scale = None  # The scale after it.
-        self._pending = None  # (count, first step, scale before) unprinted.
+        self._rest = None  # [skips, first step, scale before, after] unprinted.
 
-    def report(self, new_skips, first_step, last_step, scale_before,
-               scale_after):
-        """Takes a batch end: `new_skips` of the steps `first_step` to
-        `last_step` were skipped; the scale went from `scale_before`."""
+    def report(self, skips, first_step, last_step, before, after):
+        """Takes a batch end: `skips` of the steps `first_step` to
+        `last_step` were skipped; the scale went from `before` to `after`."""
         if self._last is not None and (
-                first_step - self._last > self._gap_steps + 1):
+                first_step - self._last > BURST_GAP_STEPS + 1):
             self.end()
-        if not new_skips:
+        if not skips:
             return
         if self._last is None:
-            self._print_first(new_skips, first_step, last_step, scale_before,
-                              scale_after)
+            self._print_first(skips, first_step, last_step, before, after)
+        elif self._rest:
+            self._rest[0] += skips
+            self._rest[3] = after
         else:
-            count, first, before = self._pending or (0, first_step,
-                                                     scale_before)
-            self._pending = (count + new_skips, first, before)
-        self._last, self._scale = last_step, scale_after
-        if self._pending and self._pending[0] >= self._summary_skips:
-            self._print_pending()
+            self._rest = [skips, first_step, before, after]
+        self._last = last_step
+        if self._rest and self._rest[0] >= BURST_SUMMARY_SKIPS:
+            self._print_rest()
 
-    def _print_first(self, new_skips, first_step, last_step, scale_before,
-                     scale_after):
-        if first_step == last_step:
-            what = f"skipped step {last_step}"
-        else:
-            what = f"skipped {new_skips} of {_steps(first_step, last_step)}"
+    def _print_first(self, skips, first_step, last_step, before, after):
+        what = (f"skipped step {last_step}" if first_step == last_step else
+                f"skipped {skips} of {_steps(first_step, last_step)}")
         paths = self._optimizer.last_nonfinite_variables()
         named = ", ".join(paths[:_MAX_NAMED_VARIABLES])
         if len(paths) > _MAX_NAMED_VARIABLES:
             named += f" and {len(paths) - _MAX_NAMED_VARIABLES} more"
-        print(f"\nLossScaleMonitor: {what}; loss scale {scale_before!r} -> "
-              f"{scale_after!r}; non-finite gradients: "
-              f"{named or 'none recorded'}")
+        print(f"\nLossScaleMonitor: {what}; loss scale {before!r} -> "
+              f"{after!r}; non-finite gradients: {named or 'none recorded'}")
 
-    def _print_pending(self):
-        count, first, before = self._pending
-        self._pending = None
-        plural = "s" if count > 1 else ""
-        print(f"\nLossScaleMonitor: {count} more skipped step{plural} in "
-              f"{_steps(first, self._last)}; loss scale {before!r} -> "
-              f"{self._scale!r}")
+    def _print_rest(self):
+        skips, first, before, after = self._rest
+        self._rest = None
+        print(f"\nLossScaleMonitor: {skips} more skipped step"
+              f"{'s' if skips > 1 else ''} in {_steps(first, self._last)}; "
+              f"loss scale {before!r} -> {after!r}")
 
     def end(self):
         """Prints what the burst has not printed yet, and ends it."""
-        if self._pending:
-            self._print_pending()
+        if self._rest:
+            self._print_rest()
         self._last = None
 
 
@@ -96,11 +85,9 @@ class _Monitor(xla_callback.FitWatcher):
     MRO): `XlaChecks` whose read of the scale after each batch acts."""
 
     def __init__(self, verbose=False, gradient_stats=False):
-        verbose = checks.boolean("verbose", verbose)
-        gradient_stats = checks.boolean("gradient_stats", gradient_stats)
         super().__init__()
-        self.verbose = verbose
-        self.gradient_stats = gradient_stats
+        self.verbose = checks.boolean("verbose", verbose)
+        self.gradient_stats = checks.boolean("gradient_stats", gradient_stats)
         self._stats = None
 
     def _read(self):
@@ -123,8 +110,7 @@ class _Monitor(xla_callback.FitWatcher):
         self._optimizer = self._begin(act=False)
         self._scale, self._skipped = self._read()
         self._step = self._epoch_first_step = 0
-        self._printer = _SkipPrinter(self._optimizer, BURST_GAP_STEPS,
-                                     BURST_SUMMARY_SKIPS)
+        self._printer = _SkipPrinter(self._optimizer)
         if self.gradient_stats:
             self._stats = gradient_stats.attach(
                 self._optimizer, float16.float16_variables(self.model),
@@ -150,9 +136,8 @@ class _Monitor(xla_callback.FitWatcher):
         # which may be shorter than steps_per_execution at the epoch's end.
         if _BATCH_END_NAMES_FIRST_STEP and isinstance(
                 self, keras.callbacks.Callback):
-            batch += int(getattr(self.model, "steps_per_execution", 1)
-                         or 1) - 1
-        steps = (self.params or {}).get("steps")
+            batch += int(self.model.steps_per_execution) - 1
+        steps = self.params.get("steps")
         return min(batch, steps - 1) if steps else batch
 
     def on_epoch_end(self, epoch, logs=None):

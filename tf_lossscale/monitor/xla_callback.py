@@ -1,9 +1,7 @@
 """`XlaChecks`, the Keras callback that carries out after each batch what an
 XLA-compiled step cannot, and what it shares with `LossScaleMonitor`: the
-optimizer check, the watch over one `fit`, and the tf-keras twin of each.
-
-How long a watch lasts and what it costs: docs/guides/xla.md.
-"""
+optimizer check, the watch over one `fit` (docs/guides/xla.md), and the
+tf-keras twin of each."""
 
 import contextlib
 import functools
@@ -67,11 +65,8 @@ def _tf_keras_twin(public):
 class FitWatcher:
     """`XlaChecks` on either Keras' Callback (the next class in the MRO), and
     `LossScaleMonitor`'s base: an XLA watch over each `fit`, live while the
-    model keeps the train function it began with. For a loss scale that needs
-    the host, a model compiled with XLA makes its train function anew when the
-    watch starts, so that the step is traced under it, and when it ends after
-    such a trace, so that a later unwatched `fit` fails before its first step.
-    """
+    model keeps the train function it began with; the train function is made
+    anew where the guide says."""
 
     def __init__(self):
         super().__init__()
@@ -129,10 +124,9 @@ class XlaChecks(FitWatcher, EitherKeras, keras.callbacks.Callback):
 
     Under XLA a step can neither fail nor print, so `DynamicLossScale`'s state
     check, `on_min_loss_scale="raise"`/`"warn"` and `max_consecutive_skips`
-    are carried out on the host, with the same errors and warnings, while a
-    watcher is live: this callback (or a `LossScaleMonitor`) watches `fit` and
-    acts after each executed call, with one small read (none without XLA).
-    The XLA guide says how long a watch lasts and what it costs.
+    are carried out on the host, with the same errors and warnings, after
+    each executed call of a watched `fit` (one small read; none without
+    XLA). The XLA guide says how long a watch lasts and what it costs.
 
     Raises:
       TypeError: at the start of training, the model's optimizer is not a
