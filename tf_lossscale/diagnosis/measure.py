@@ -19,35 +19,31 @@ def diagnose(model, data, steps=8, *, loss=None,
     """Measures where a float16 model overflows and underflows; returns a
     `Float16Diagnosis`.
 
-    Each batch runs with `training=False` in float32 on a twin of the
-    model, then as the model computes at each of `scales`; under a
-    `tf.distribute` strategy each replica runs its part. Runs without XLA,
-    and reads a few numbers back to the host after every pass. The model,
-    its optimizer and the dtype policies are left as they were. What is
-    measured: docs/guides/float16-troubleshooting.md.
+    Each batch runs with `training=False` in float32 on a twin of the model,
+    then as the model computes at each of `scales`, in every replica of its
+    strategy, without XLA; a few numbers are read back to the host after
+    every pass. The model, its optimizer and the dtype policies are left as
+    they were. What is measured: docs/guides/float16-troubleshooting.md.
 
     Args:
       model: a functional or Sequential Keras model (Keras 3 or tf-keras)
         with one output, as it trains (e.g. under `mixed_float16`).
       data: a `tf.data.Dataset` or any iterable of `(x, y)` or
         `(x, y, sample_weight)` batches, as `fit` takes them.
-      steps: how many batches of `data` to run (fewer if it ends sooner).
-      loss: the loss, as `compile` takes it (a name, a function of
-        `(y_true, y_pred)` or a `Loss`); by default the model's compiled
-        loss.
-      scales: the loss scales to run the float16 backward pass at, > 0,
-        increasing.
+      steps: how many batches of `data` to run, at most.
+      loss: the loss, as `compile` takes it; by default the compiled one.
+      scales: the loss scales to probe, > 0, increasing.
       overflow_tolerance: the share of batches (0 to 1) whose backward pass
-        may overflow at the advised highest scale (with fewer than 20
-        batches, by default none).
-      underflow_tolerance: how much more of a variable's gradient may
-        underflow at the advised lowest scale than at the highest (a share,
-        0 to 1).
+        may overflow at the top of the advised range (with the default and
+        fewer than 20 batches, none).
+      underflow_tolerance: how much more of a variable's gradient (a share,
+        0 to 1) may underflow at the bottom of the advised range than at its
+        top.
 
     Raises:
-      TypeError: the model is not one `diagnose` can run (see above), or a
-        batch is not a tuple of 2 or 3.
-      ValueError: no batch; bad `steps`, `scales`, `overflow_tolerance` or
+      TypeError: a model `diagnose` cannot run (see above), or a batch that
+        is not a tuple of 2 or 3.
+      ValueError: no batch; a bad `steps`, `scales`, `overflow_tolerance` or
         `underflow_tolerance`; no loss; or a batch that does not split
         evenly over the replicas.
     """

@@ -76,7 +76,6 @@ class Passes:
             tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
             for g in grads[1]]
 
-    # Each replica's figures: float32 vectors.
     def _float32_pass(self, batch):
         layer_outputs, output_grads, grads = self._forward_backward(
             self._twin_probe, self._twin.trainable_variables, batch, 1.0)
