@@ -1,8 +1,6 @@
-"""The figure of a float16 diagnosis (`Float16Diagnosis.plot`).
-
-Needs matplotlib, the "plot" extra; draws with its Agg backend, not pyplot,
-so it works without a display and leaves pyplot's state alone.
-"""
+"""The figure of a float16 diagnosis (`Float16Diagnosis.plot`), drawn by
+matplotlib (the "plot" extra) with its Agg backend, not pyplot: it needs no
+display and leaves pyplot's state alone."""
 
 import math
 import pathlib
@@ -48,8 +46,8 @@ def _draw_headroom(axes, layers):
     axes.axvline(0, color="tab:red", linewidth=1)
     axes.set_yticks(list(range(len(layers))), [row["name"] for row in layers])
     axes.invert_yaxis()
-    axes.set_xlabel("headroom below 65504 (powers of 2)")
-    axes.set_title("float16 layers")
+    axes.set(xlabel="headroom below 65504 (powers of 2)",
+             title="float16 layers")
     axes.legend(loc="lower right", fontsize="small")
     axes.grid(True, axis="x", alpha=0.3)
 
@@ -69,10 +67,9 @@ def _draw_shares(axes, report):
         low, high = (math.log2(s) for s in report["loss_scale_range"])
         axes.axvspan(low - 0.5, high + 0.5, color="tab:green", alpha=0.12,
                      linewidth=0, label="advised loss scales")
-    axes.set_xlabel("log2 of the loss scale (red: the backward pass "
-                    "overflows)")
-    axes.set_ylabel("gradient lost to underflow (%)")
-    axes.set_title("float16 variables")
+    axes.set(xlabel="log2 of the loss scale (red: the backward pass "
+             "overflows)", ylabel="gradient lost to underflow (%)",
+             title="float16 variables")
     axes.grid(True, alpha=0.3)
     if len(shares) <= 10:
         axes.legend(fontsize="small")

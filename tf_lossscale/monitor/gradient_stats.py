@@ -33,11 +33,11 @@ class StepGradientStats:
                           [id(v) in self._watched for v in variables])
 
     def read(self):
-        """Host side (one device read): the last recorded step's share of
-        the watched values that were zero or subnormal in float16 (0.0
-        before any step, or with nothing watched), and the log2 of the
-        scale's doublings left before its largest overflows float16 (-inf
-        after NaN/Inf, +inf when all were 0)."""
+        """Host side (one device read): of the last recorded step, the share
+        of the watched values that were zero or subnormal in float16 (0.0
+        before any step, or with nothing watched), and log2(65504 / their
+        largest), the doublings of the scale left before it overflows float16
+        (-inf after NaN/Inf, +inf when all were 0)."""
         tiny, count, largest = (float(v) for v in self.values.numpy())
         return (tiny / count if count else 0.0,
                 float16.headroom_log2(largest) if largest else math.inf)

@@ -65,8 +65,10 @@ def _tf_keras_twin(public):
 class FitWatcher:
     """`XlaChecks` on either Keras' Callback (the next class in the MRO), and
     `LossScaleMonitor`'s base: an XLA watch over each `fit`, live while the
-    model keeps the train function it began with; the train function is made
-    anew where the guide says."""
+    model keeps the train function it began with. Where the loss scale needs
+    the host, a model compiled with XLA makes its train function anew when
+    the watch starts (to trace the step under it) and when it ends after
+    such a trace (so that an unwatched `fit` fails before its first step)."""
 
     def __init__(self):
         super().__init__()
