@@ -18,6 +18,8 @@ Sections (`lsbench/sections/`, run in this order; `--only` picks some):
   check     check + unscale + update on three gradient sets (TF 2.x protocol)
   apply     the Keras-protocol apply path, against Keras 3's wrapper
   ops       ops per tensor of the traced step, ours and Keras 3's (exact)
+  hotpath   each technique of the check and the unscale against the plain
+            form, on the three gradient sets, in graph mode and under XLA
   fit       `model.fit` without XLA: overhead, the barrier, the monitor, and
             the cost of each feature (the step with one feature taken away:
             `lsbench/ablations.py`)
@@ -62,6 +64,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # pylint: disable=g-import-not-at-top,wrong-import-position
 import tensorflow as tf  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+import tf_lossscale  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 from lsbench import context as context_module  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench import report as report_module  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import argument_checks  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -69,14 +73,15 @@ from lsbench.sections import apply_path  # pylint: disable=g-import-not-at-top,w
 from lsbench.sections import check_unscale_update  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import fit_step  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import gradient_stats  # pylint: disable=g-import-not-at-top,wrong-import-position
+from lsbench.sections import hot_path  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import replicas  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import step_ops  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import xla_fit  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 tf.get_logger().setLevel("ERROR")  # TF's reference is deprecated; it says so.
 
-SECTIONS = (check_unscale_update, apply_path, step_ops, fit_step, xla_fit,
-            replicas, gradient_stats, argument_checks)
+SECTIONS = (check_unscale_update, apply_path, step_ops, hot_path, fit_step,
+            xla_fit, replicas, gradient_stats, argument_checks)
 
 
 def _cpu_model():
@@ -112,6 +117,7 @@ def run(quick=False, rounds=None, fit_steps=None, fit_rounds=None,
     report.line(f"Machine: {_cpu_model()}, {os.cpu_count()} CPUs; "
                 f"TensorFlow {tf.__version__}, Keras {keras.__version__}, "
                 f"Python {platform.python_version()}")
+    report.line(f"tf_lossscale from {os.path.dirname(tf_lossscale.__file__)}")
     report.line(f"Load average (1, 5, 15 min) at the start: {_load()}")
     report.line(f"Step-level sections: median of {settings.step_rounds} "
                 f"interleaved rounds of {settings.calls} calls"

@@ -168,7 +168,7 @@ ABLATIONS = (
              ("Sum", "IsFinite", "All", "StatelessIf")),
     Ablation("the unscale", _wrapper(NoUnscale), ("RealDiv",)),
     Ablation("the overflow record", _wrapper(NoOverflowRecord),
-             ("IsFinite", "Cumsum", "AssignVariableOp")),
+             ("IsFinite", "LogicalNot", "AssignVariableOp")),
     Ablation("the state check and policies",
              _with_loss_scale(UncheckedDynamicLossScale), ("Assert", "If")),
     Ablation("the XLA record", _with_loss_scale(UnrecordedDynamicLossScale),

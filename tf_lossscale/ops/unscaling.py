@@ -1,103 +1,68 @@
 """Unscaling gradients: every value divided by the loss scale.
 
-`unscale(grads, scale)` returns `grad / scale` for each gradient, with the
-dtype, shape and kind (dense or `tf.IndexedSlices`) of the gradient and `None`
-kept. The quotient is computed in float32 (float64 for float64 gradients) and
-cast back: float16 cannot even hold scales above 65504, and float64 keeps its
-precision.
-
-Every element is one correctly rounded division, so the result is bit for
-bit what a per-gradient divide gives, whichever way it is computed:
-
-* Tiny dense gradients (up to `_PACK_ELEMENTS` values, static shape) of one
-  dtype are packed: stacked (same shapes) or flattened and concatenated,
-  divided once, and unstacked or split back. Models have many of them
-  (biases, normalisation scales), and an op per gradient costs more than its
-  arithmetic. In graphs, the pieces also let `finiteness.all_finite`
-  check them through the packed quotient, without stacking them again.
-* Every other gradient is divided on its own.
+`unscale(grads, scale)` returns `grad / scale` for each gradient, keeping its
+dtype, shape, kind (dense or `tf.IndexedSlices`) and `None`. The quotient is
+computed in float32 (float64 for float64 gradients) and cast back: float16
+cannot even hold scales above 65504. Tiny dense gradients of one dtype are
+packed: concatenated, divided once and split back. Each value is still one
+correctly rounded division, so the result is bit for bit a per-gradient
+divide's (docs/guides/performance.md compares the two).
 """
 
 import collections
 
 import tensorflow as tf
 
-# Gradients up to this many values are packed: biases and normalisation
-# scales. Packing copies each value in and out, which for larger gradients
-# costs more than the op of their own it saves.
-_PACK_ELEMENTS = 1 << 12
-
-
-def _wide_dtype(dtype):
-    return tf.float64 if dtype == tf.float64 else tf.float32
+# Packing cuts the unscale's ops by a third or more where models have many
+# tiny gradients (biases, normalisation scales); for larger ones its copies
+# cost more than the ops it saves.
+_PACKED_ELEMENTS = 1 << 12
 
 
 def _divide(values, scale):
-    wide = _wide_dtype(values.dtype)
-    quotient = tf.cast(values, wide) / tf.cast(scale, wide)
-    return tf.cast(quotient, values.dtype)
-
-
-def _is_packable(grad):
-    if isinstance(grad, tf.IndexedSlices):
-        return False
-    count = grad.shape.num_elements()
-    return count is not None and 0 < count <= _PACK_ELEMENTS
+    wide = tf.float64 if values.dtype == tf.float64 else tf.float32
+    return tf.cast(tf.cast(values, wide) / tf.cast(scale, wide), values.dtype)
 
 
 def _divide_packed(grads, scale):
-    """The divide of each of `grads` (dense, one dtype), computed packed."""
-    if all(grad.shape == grads[0].shape for grad in grads):
-        return tf.unstack(_divide(tf.stack(grads), scale))
-    flat = [grad if grad.shape.rank == 1 else tf.reshape(grad, [-1])
-            for grad in grads]
+    """The quotients of `grads` (dense, one dtype), divided as one tensor."""
+    if len(grads) == 1:
+        return [_divide(grads[0], scale)]
+    flat = [g if g.shape.rank == 1 else tf.reshape(g, [-1]) for g in grads]
     parts = tf.split(_divide(tf.concat(flat, axis=0), scale),
-                     [grad.shape.num_elements() for grad in grads])
-    return [part if grad.shape.rank == 1 else tf.reshape(part, grad.shape)
-            for part, grad in zip(parts, grads)]
-
-
-def _divide_one(grad, scale):
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(_divide(grad.values, scale), grad.indices,
-                                grad.dense_shape)
-    return _divide(grad, scale)
+                     [g.shape.num_elements() for g in grads])
+    return [part if g.shape.rank == 1 else tf.reshape(part, g.shape)
+            for part, g in zip(parts, grads)]
 
 
 def unscale(grads, scale, keep=None):
-    """Returns the list `grads` with every gradient divided by `scale`.
-
-    Args:
-      grads: a list of gradients: tensors (or what converts to one),
-        `tf.IndexedSlices` or None.
-      scale: the scalar loss scale.
-      keep: optional list of bools, one per gradient; True returns that
-        gradient as given instead of unscaled.
+    """Returns the list `grads` (tensors, `tf.IndexedSlices` or None) with
+    every gradient divided by the scalar `scale`, except where the optional
+    list of bools `keep` is True: those come back as given.
 
     Raises:
       ValueError: `keep` does not have one entry per gradient.
     """
     grads = [grad if grad is None or isinstance(grad, tf.IndexedSlices)
              else tf.convert_to_tensor(grad) for grad in grads]
-    if keep is None:
-        keep = [False] * len(grads)
-    elif len(keep) != len(grads):
+    keep = [False] * len(grads) if keep is None else keep
+    if len(keep) != len(grads):
         raise ValueError(
             f"keep must have one entry per gradient: got {len(keep)} for "
             f"{len(grads)} gradients")
     unscaled = list(grads)
-    packs = collections.defaultdict(list)
+    packs = collections.defaultdict(list)  # dtype -> indices
     for index, (grad, kept) in enumerate(zip(grads, keep)):
         if grad is None or kept:
             continue
-        if _is_packable(grad):
+        if isinstance(grad, tf.IndexedSlices):
+            unscaled[index] = tf.IndexedSlices(
+                _divide(grad.values, scale), grad.indices, grad.dense_shape)
+        elif 0 < (grad.shape.num_elements() or -1) <= _PACKED_ELEMENTS:
             packs[grad.dtype].append(index)
         else:
-            unscaled[index] = _divide_one(grad, scale)
+            unscaled[index] = _divide(grad, scale)
     for indices in packs.values():
-        if len(indices) == 1:
-            unscaled[indices[0]] = _divide(grads[indices[0]], scale)
-            continue
         quotients = _divide_packed([grads[i] for i in indices], scale)
         for index, quotient in zip(indices, quotients):
             unscaled[index] = quotient

@@ -1,0 +1,80 @@
+"""The benchmark's hot-path comparison runs, and its forms give the plain
+form's results bit for bit (quick mode; no timing is asserted: speed claims
+live in the benchmark's output and docs/guides/performance.md)."""
+
+import io
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.support import paths
+
+sys.path.insert(0, str(paths.ROOT / "benchmarks"))
+
+from lsbench import context as context_module  # pylint: disable=g-import-not-at-top,wrong-import-position
+from lsbench import gradient_sets  # pylint: disable=g-import-not-at-top,wrong-import-position
+from lsbench import hot_path_forms as forms  # pylint: disable=g-import-not-at-top,wrong-import-position
+from lsbench import report as report_module  # pylint: disable=g-import-not-at-top,wrong-import-position
+from lsbench.sections import hot_path  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+pytestmark = pytest.mark.usefixtures("keras_isolation")
+
+# Tiny (packed), small (stacked) of two shapes, large (summed), unknown to
+# no form: every path of every form.
+_SHAPES = [(3,), (3,), (2, 2), (5,), (300, 300), (300, 300), (70000,)]
+
+
+def _grads(dtype=tf.float32):
+    rng = np.random.default_rng(0)
+    return [tf.cast(tf.constant(rng.standard_normal(s) * 3e3), dtype)
+            for s in _SHAPES]
+
+
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16, tf.float32,
+                                   tf.float64], ids=lambda d: d.name)
+def test_every_form_gives_the_plain_forms_results(dtype):
+    hot_path.check_same_results(hot_path._groups(), _grads(dtype))  # pylint: disable=protected-access
+
+
+def test_a_form_that_differs_is_refused():
+    groups = hot_path._groups()  # pylint: disable=protected-access
+    groups["unscale"]["off by 0.1%"] = lambda g, s: [
+        q * tf.constant(1.001, q.dtype) for q in forms.plain_unscale(g, s)]
+    with pytest.raises(AssertionError, match="'off by 0.1%' differs"):
+        hot_path.check_same_results(groups, _grads())
+
+
+def test_the_plain_step_runs_the_plain_parts():
+    counts = {}
+    for name, step in hot_path._apply_steps(  # pylint: disable=protected-access
+            [(5,), (5,), (300, 300)], jit_compile=False).items():
+        step()
+        counts[name] = hot_path.op_counts.op_types(step)
+    plain, package = counts[hot_path.PLAIN], counts[hot_path.PACKAGE]
+    # Plain: a divide per gradient, where the package packs the two tiny
+    # ones; and no sum, where the package sums the large one.
+    assert plain["RealDiv"] - package["RealDiv"] == 1
+    assert package["Sum"] - plain["Sum"] == 1
+    assert counts[hot_path.PLAIN] == counts[hot_path.AGAIN]
+
+
+def test_quick_section_reports_every_form_in_both_modes():
+    out = io.StringIO()
+    report = report_module.Report(out)
+    hot_path.run(context_module.Context(
+        report, context_module.Settings(quick=True)))
+    text = out.getvalue()
+    assert f"\n{hot_path.NAME}: {hot_path.TITLE}" in text
+    forms_per_set = sum(len(c) for c in hot_path._groups().values()) + 3  # pylint: disable=protected-access
+    for set_name in gradient_sets.gradient_sets(quick=True):
+        table = next(t for t in report.tables
+                     if t.title == f"{hot_path.TITLE}: {set_name}")
+        assert len(table.rows) == forms_per_set
+        assert table.rows[1][-1] == "(the noise)"
+        for row in table.rows:
+            ops, graph, xla = row[2], row[3], row[4]
+            assert int(ops.split()[0]) > 0
+            assert float(graph) > 0 and float(xla) > 0
+    assert report.verdicts == []  # It decides nothing: no target.
