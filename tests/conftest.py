@@ -6,7 +6,8 @@ Single-device tests are unaffected: without a strategy everything runs on
 CPU:0. Tests needing a fresh process (multi-worker) start their own.
 
 Keras test files opt into `keras_isolation` with
-`pytestmark = pytest.mark.usefixtures("keras_isolation")`.
+`pytestmark = pytest.mark.usefixtures("keras_isolation")`; tests that need
+`tf.keras` to be tf-keras ask for `tf_keras_interpreter`.
 """
 
 import os
@@ -16,6 +17,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+from tests.support import subprocesses  # pylint: disable=g-import-not-at-top
 
 NUM_LOGICAL_CPUS = 4
 
@@ -39,3 +42,12 @@ def keras_isolation(_clear_keras_session_after_module):
     policy = keras.mixed_precision.global_policy()
     yield
     keras.mixed_precision.set_global_policy(policy)
+
+
+@pytest.fixture(scope="session")
+def tf_keras_interpreter():
+    """One process for the session where `tf.keras` is tf-keras
+    (`TF_USE_LEGACY_KERAS=1` before TensorFlow's import), which this
+    process, having imported Keras 3, cannot give."""
+    with subprocesses.Interpreter(TF_USE_LEGACY_KERAS="1") as interpreter:
+        yield interpreter

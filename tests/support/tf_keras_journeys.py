@@ -1,40 +1,24 @@
-"""tf-keras users' journeys with `tf_lossscale`, run as one subprocess.
+"""tf-keras users' journeys with `tf_lossscale`, in a tf-keras process.
 
-Not a test: `tests/tf_keras/test_tf_keras_journeys.py` runs this script with
-`TF_USE_LEGACY_KERAS=1` (so `tf.keras` is tf-keras, Keras 2) and reads the one
-JSON line it prints last: `{journey_name: "ok" | "<traceback>"}`. Each journey
-is written as a tf-keras user would write it (`tf.keras...`,
+Not a test: `tests/tf_keras/test_tf_keras_journeys.py` runs each journey in
+the session's `tf_keras_interpreter` (`TF_USE_LEGACY_KERAS=1`, so `tf.keras`
+is tf-keras, Keras 2, and the CPU split into 4 logical devices for
+MirroredStrategy) with `run(name)`, one test each. Each journey is written as
+a tf-keras user would write it (`tf.keras...`,
 `tf_lossscale.LossScaleOptimizer(tf.keras.optimizers.Adam(), loss_scale=...)`)
-and checks its own results, computed in this run. One process runs them all:
-importing TensorFlow costs seconds.
-
-The process splits its CPU into 4 logical devices first, for MirroredStrategy.
+and checks its own results, computed in this process.
 """
 
 import csv
-import json
 import os
-import sys
 import tempfile
-import traceback
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import numpy as np
+import tensorflow as tf
 
-import numpy as np  # pylint: disable=g-import-not-at-top
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
-
-tf.config.set_logical_device_configuration(
-    tf.config.list_physical_devices("CPU")[0],
-    [tf.config.LogicalDeviceConfiguration()] * 4)
-
-import tf_lossscale  # pylint: disable=g-import-not-at-top
-
-# Run as a script: the repository's root first on the path, for
-# `tests.support`.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))))
-from tests.support import data  # pylint: disable=g-import-not-at-top
-from tests.support import strategies  # pylint: disable=g-import-not-at-top
+import tf_lossscale
+from tests.support import data
+from tests.support import strategies
 
 keras = tf.keras
 JOURNEYS = {}
@@ -440,16 +424,10 @@ def loss_scale_monitor_logs_to_history_csv_and_tensorboard():
     del model
 
 
-def main():
-    results = {}
-    for name, fn in JOURNEYS.items():
-        try:
-            fn()
-            results[name] = "ok"
-        except Exception:  # pylint: disable=broad-except
-            results[name] = traceback.format_exc()
-    print(json.dumps(results), flush=True)
+def names():
+    return sorted(JOURNEYS)
 
 
-if __name__ == "__main__":
-    main()
+def run(name):
+    """Runs the journey `name`; it raises if it fails."""
+    JOURNEYS[name]()
