@@ -7,7 +7,8 @@ CPU:0. Tests needing a fresh process (multi-worker) start their own.
 
 Keras test files opt into `keras_isolation` with
 `pytestmark = pytest.mark.usefixtures("keras_isolation")`; tests that need
-`tf.keras` to be tf-keras ask for `tf_keras_interpreter`.
+`tf.keras` to be tf-keras ask for `tf_keras_interpreter`; multi-worker tests
+for `multi_worker_results`, marked with the scenario they read.
 """
 
 import os
@@ -18,6 +19,7 @@ import keras  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
+from tests.support import multi_worker_job  # pylint: disable=g-import-not-at-top
 from tests.support import subprocesses  # pylint: disable=g-import-not-at-top
 
 NUM_LOGICAL_CPUS = 4
@@ -51,3 +53,14 @@ def tf_keras_interpreter():
     process, having imported Keras 3, cannot give."""
     with subprocesses.Interpreter(TF_USE_LEGACY_KERAS="1") as interpreter:
         yield interpreter
+
+
+@pytest.fixture(scope="session")
+def multi_worker_results(request, tmp_path_factory):
+    """{scenario: both workers' answers} of one MultiWorkerMirroredStrategy
+    job on two local processes running the scenarios of every collected test
+    marked `multi_worker(scenario)` (`tests/support/multi_worker_job.py`)."""
+    scenarios = sorted({marker.args[0] for item in request.session.items
+                        for marker in item.iter_markers("multi_worker")})
+    return multi_worker_job.run(scenarios,
+                                tmp_path_factory.mktemp("multi_worker"))
