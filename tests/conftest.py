@@ -6,7 +6,9 @@ Single-device tests are unaffected: without a strategy everything runs on
 CPU:0. Tests needing a fresh process (multi-worker) start their own.
 
 Keras test files opt into `keras_isolation` with
-`pytestmark = pytest.mark.usefixtures("keras_isolation")`.
+`pytestmark = pytest.mark.usefixtures("keras_isolation")`; tests that need
+`tf.keras` to be tf-keras ask for `tf_keras_interpreter`; multi-worker tests
+for `multi_worker_results`, marked with the scenario they read.
 """
 
 import os
@@ -16,6 +18,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+from tests.support import multi_worker_job  # pylint: disable=g-import-not-at-top
+from tests.support import subprocesses  # pylint: disable=g-import-not-at-top
 
 NUM_LOGICAL_CPUS = 4
 
@@ -39,3 +44,23 @@ def keras_isolation(_clear_keras_session_after_module):
     policy = keras.mixed_precision.global_policy()
     yield
     keras.mixed_precision.set_global_policy(policy)
+
+
+@pytest.fixture(scope="session")
+def tf_keras_interpreter():
+    """One process for the session where `tf.keras` is tf-keras
+    (`TF_USE_LEGACY_KERAS=1` before TensorFlow's import), which this
+    process, having imported Keras 3, cannot give."""
+    with subprocesses.Interpreter(TF_USE_LEGACY_KERAS="1") as interpreter:
+        yield interpreter
+
+
+@pytest.fixture(scope="session")
+def multi_worker_results(request, tmp_path_factory):
+    """{scenario: both workers' answers} of one MultiWorkerMirroredStrategy
+    job on two local processes running the scenarios of every collected test
+    marked `multi_worker(scenario)` (`tests/support/multi_worker_job.py`)."""
+    scenarios = sorted({marker.args[0] for item in request.session.items
+                        for marker in item.iter_markers("multi_worker")})
+    return multi_worker_job.run(scenarios,
+                                tmp_path_factory.mktemp("multi_worker"))

@@ -1,25 +1,31 @@
 """`LossScaleOptimizer` under MultiWorkerMirroredStrategy with two processes.
 
-The test starts two local workers (`multi_worker_keras_worker.py`) that train
-one model in a custom loop; only worker 1 ever sees a NaN. Every worker has to
-skip those steps: a worker that applied while the other skipped would wait in
-the gradient all-reduce for a peer that never comes (REFERENCE.md: Keras 3's
-own LossScaleOptimizer kills the job that way).
+The session's multi-worker job (`tests/support/multi_worker_job.py`) trains
+one model in a custom loop on two local workers; only worker 1 ever sees a
+NaN. Every worker has to skip those steps: a worker that applied while the
+other skipped would wait in the gradient all-reduce for a peer that never
+comes (REFERENCE.md: Keras 3's own LossScaleOptimizer kills the job that way).
 
 Keras 3.15's `model.fit` fails under this strategy even in float32 without
 loss scaling, so only custom loops are tested here.
 """
 
+import keras
 import numpy as np
+import pytest
 
 from tests.support import multi_worker_job as job_lib
 
 _JOB = job_lib.JOB
 _NUM_WORKERS = job_lib.NUM_WORKERS
 
+pytestmark = [pytest.mark.multi_worker("keras_3"),
+              pytest.mark.xdist_group("multi_worker")]
 
-def test_nan_on_one_worker_skips_the_step_on_every_worker(tmp_path):
-    reports = job_lib.run_workers(_JOB, tmp_path)
+
+def test_nan_on_one_worker_skips_the_step_on_every_worker(
+        multi_worker_results):
+    reports = job_lib.reports(multi_worker_results, "keras_3")
 
     assert sorted(r["task_id"] for r in reports) == [0, 1]
     assert all(r["num_replicas"] == _NUM_WORKERS for r in reports)
@@ -37,5 +43,6 @@ def test_nan_on_one_worker_skips_the_step_on_every_worker(tmp_path):
     assert first["iterations"][-1] == _JOB["steps"] - num_nan_steps
     # Comparing with one device also shows that the applied steps used the
     # gradients of both workers.
-    np.testing.assert_allclose(weights, job_lib.single_process_weights(_JOB),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        weights, job_lib.single_process_weights(_JOB, keras),
+        rtol=1e-5, atol=1e-6)

@@ -1,10 +1,18 @@
 """A MultiWorkerMirroredStrategy job on two local worker processes.
 
-Not a test: the helpers that `test_keras_multi_worker.py` (Keras 3) and
-`test_tf_keras_multi_worker.py` (tf-keras, `TF_USE_LEGACY_KERAS=1` in the
-workers' environment) share. `run_workers` starts `multi_worker_keras_worker.py`
-twice with `TF_CONFIG` for 127.0.0.1 and returns the workers' JSON reports;
-`reference_scale_trace` and `single_process_weights` replay the job with
+`run(scenarios, folder)` starts this file twice as a script, with `TF_CONFIG`
+for 127.0.0.1; each worker creates one strategy and runs the scenarios named
+in turn, in the same order, reporting each as one JSON line. So one pair of
+processes (one TensorFlow import each) serves every multi-worker test:
+
+- "keras_3", "tf_keras": the Keras 3 and the tf-keras (`tf_keras` imported
+  directly) wrapper in a custom loop (`multi_worker_keras_worker.py`, `JOB`);
+- "loss_scale": a `DynamicLossScale` alone (`multi_worker_loss_scale_worker.py`).
+
+A scenario that raises is reported as its traceback and ends its worker,
+and a worker that dies or hangs ends the job (its peer would wait in a
+collective for it): the scenarios left are reported as not run.
+`reference_scale_trace` and `single_process_weights` replay `JOB` with
 TensorFlow's own DynamicLossScale and on one device.
 """
 
@@ -14,21 +22,22 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 
-import keras
 import numpy as np
 import tensorflow as tf
 
-import tf_lossscale
-
-from tests.support import multi_worker_keras_worker as worker
+from tests.support import multi_worker_keras_worker as keras_worker
+from tests.support import multi_worker_loss_scale_worker as loss_scale_worker
 from tests.support import reference_oracle
+from tests.support import subprocesses
 
 NUM_WORKERS = 2
 # A bound for a hung job (a worker waiting for a dead peer), not a speed
-# requirement: the job takes seconds on a quiet machine, but a tf-keras
-# job passed 120 s on 2 cores at load 8.
-_TIMEOUT_SECONDS = 300
+# requirement: the job takes seconds on a quiet machine, but one tf-keras
+# scenario alone passed 120 s on 2 cores at load 8.
+_TIMEOUT_SECONDS = 900
+_STDERR_TAIL_CHARS = 6000
 JOB = {
     "steps": 6,
     "nan_steps": [1, 4],
@@ -36,6 +45,79 @@ JOB = {
     "initial_loss_scale": 4.0,
     "increment_period": 2,
 }
+
+
+def _keras_3():
+    import keras  # pylint: disable=g-import-not-at-top
+    return keras
+
+
+def _tf_keras():
+    import tf_keras  # pylint: disable=g-import-not-at-top
+    return tf_keras
+
+
+SCENARIOS = {
+    "keras_3": lambda strategy: keras_worker.run(strategy, JOB, _keras_3()),
+    "tf_keras": lambda strategy: keras_worker.run(strategy, JOB, _tf_keras()),
+    "loss_scale": lambda strategy: loss_scale_worker.run(
+        strategy, loss_scale_worker.make_job()),
+}
+
+
+def reports(results, scenario):
+    """Both workers' reports of `scenario` in `run`'s `results`; fails the
+    test with a worker's traceback if the scenario raised there."""
+    assert scenario in results, f"{scenario} did not run: {results}"
+    for answer in results[scenario]:
+        assert "error" not in answer, answer["error"]
+    return [answer["report"] for answer in results[scenario]]
+
+
+def run(scenarios, folder):
+    """Runs `scenarios` (names of SCENARIOS) on two local workers writing
+    their output into `folder`; returns {scenario: [worker 0's answer,
+    worker 1's]}, an answer being {"report": ...} or {"error": ...}.
+
+    No worker outlives this call, nor runs longer than _TIMEOUT_SECONDS.
+    """
+    cluster = {"worker": [f"127.0.0.1:{port}"
+                          for port in _free_ports(NUM_WORKERS)]}
+    outputs = [os.path.join(folder, f"worker{task_id}.out")
+               for task_id in range(NUM_WORKERS)]
+    errors = [os.path.join(folder, f"worker{task_id}.err")
+              for task_id in range(NUM_WORKERS)]
+    processes = []
+    try:
+        for task_id in range(NUM_WORKERS):
+            env = subprocesses.environment(TF_CONFIG=json.dumps({
+                "cluster": cluster,
+                "task": {"type": "worker", "index": task_id}}))
+            with open(outputs[task_id], "w") as out, \
+                    open(errors[task_id], "w") as err:
+                processes.append(subprocess.Popen(
+                    [sys.executable, os.path.abspath(__file__),
+                     json.dumps(list(scenarios))],
+                    env=env, cwd=folder, stdout=out, stderr=err))
+        _wait_for_all_or_the_first_failure(processes)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+    ended = (f"the worker ended before reporting it (exit codes "
+             f"{[p.returncode for p in processes]}; negative: killed after "
+             f"{_TIMEOUT_SECONDS} s or after the other's failure)\n"
+             f"{_stderr_tails(errors)}")
+    results = {scenario: [{"error": ended}] * NUM_WORKERS
+               for scenario in scenarios}
+    for task_id, path in enumerate(outputs):
+        with open(path) as f:
+            for line in f:
+                if line.startswith("{"):
+                    answer = json.loads(line)
+                    results[answer.pop("scenario")][task_id] = answer
+    return results
 
 
 def _free_ports(count):
@@ -51,67 +133,27 @@ def _free_ports(count):
             s.close()
 
 
-def _worker_env(cluster, task_id, extra_env):
-    env = dict(os.environ, **extra_env)
-    env["TF_CONFIG"] = json.dumps(
-        {"cluster": cluster, "task": {"type": "worker", "index": task_id}})
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    # The workers must import the tf_lossscale under test (e.g. from Bazel's
-    # runfiles), not whatever else the interpreter would find.
-    package_root = os.path.dirname(os.path.dirname(tf_lossscale.__file__))
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (package_root, env.get("PYTHONPATH")) if p)
-    return env
+def _wait_for_all_or_the_first_failure(processes):
+    deadline = time.monotonic() + _TIMEOUT_SECONDS
+    # A worker that dies leaves its peer waiting in a collective, so stop at
+    # the first failure instead of waiting for the deadline.
+    while (any(p.poll() is None for p in processes)
+           and not any(p.poll() for p in processes)
+           and time.monotonic() < deadline):
+        time.sleep(0.2)
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
 
 
-def run_workers(job, tmp_path, extra_env=None):
-    """Runs the job on two local workers (with `extra_env` added to their
-    environment); returns their JSON reports."""
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                          "multi_worker_keras_worker.py")
-    cluster = {"worker": [f"127.0.0.1:{port}"
-                          for port in _free_ports(NUM_WORKERS)]}
-    processes, logs = [], []
-    try:
-        for task_id in range(NUM_WORKERS):
-            stdout = open(tmp_path / f"worker{task_id}.out", "w+")
-            stderr = open(tmp_path / f"worker{task_id}.err", "w+")
-            logs.append((stdout, stderr))
-            processes.append(subprocess.Popen(
-                [sys.executable, script, json.dumps(job)],
-                env=_worker_env(cluster, task_id, extra_env or {}),
-                stdout=stdout, stderr=stderr))
-        deadline = time.monotonic() + _TIMEOUT_SECONDS
-        failures = []
-        for task_id, process in enumerate(processes):
-            try:
-                returncode = process.wait(
-                    timeout=max(deadline - time.monotonic(), 0))
-            except subprocess.TimeoutExpired:
-                returncode = f"no result after {_TIMEOUT_SECONDS} s"
-            if returncode != 0:
-                failures.append((task_id, returncode))
-        if failures:
-            details = []
-            for task_id, returncode in failures:
-                stderr = logs[task_id][1]
-                stderr.seek(0)
-                details.append(f"--- worker {task_id} ({returncode}):\n"
-                               f"{stderr.read()[-6000:]}")
-            raise AssertionError("workers failed:\n" + "\n".join(details))
-        reports = []
-        for stdout, _ in logs:
-            stdout.seek(0)
-            reports.append(json.loads(stdout.read().strip().splitlines()[-1]))
-        return reports
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-        for stdout, stderr in logs:
-            stdout.close()
-            stderr.close()
+def _stderr_tails(paths):
+    tails = []
+    for task_id, path in enumerate(paths):
+        with open(path, errors="replace") as f:
+            tails.append(f"--- worker {task_id} stderr (tail) ---\n"
+                         f"{f.read()[-_STDERR_TAIL_CHARS:]}")
+    return "\n".join(tails)
 
 
 def reference_scale_trace(job):
@@ -122,16 +164,16 @@ def reference_scale_trace(job):
         increment_period=job["increment_period"], multiplier=2.0)
 
 
-def single_process_weights(job, keras_module=keras):
+def single_process_weights(job, keras):
     """Weights after each step of the same job trained on one device (with
-    `keras_module`, Keras 3 or tf_keras).
+    `keras`, Keras 3 or tf_keras).
 
     The global batch is both workers' batches; the NaN steps are simply left
     out, which is what skipping them must amount to.
     """
-    model = worker.build_model(keras_module)
-    optimizer = worker.make_inner_optimizer(keras_module)
-    batches = [worker.worker_batches(task_id, job)
+    model = keras_worker.build_model(keras)
+    optimizer = keras_worker.make_inner_optimizer(keras)
+    batches = [keras_worker.worker_batches(task_id, job)
                for task_id in range(NUM_WORKERS)]
     trace = []
     for step in range(job["steps"]):
@@ -139,8 +181,25 @@ def single_process_weights(job, keras_module=keras):
             x = np.concatenate([x[step] for x, _ in batches])
             y = np.concatenate([y[step] for _, y in batches])
             with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(worker.per_example_loss(model, x, y))
+                loss = tf.reduce_mean(
+                    keras_worker.per_example_loss(model, x, y))
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
         trace.append(np.concatenate([w.ravel() for w in model.get_weights()]))
     return np.array(trace)
+
+
+def _worker_main(scenarios):
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    for scenario in scenarios:
+        try:
+            answer = {"report": SCENARIOS[scenario](strategy)}
+        except Exception:  # pylint: disable=broad-except
+            answer = {"error": traceback.format_exc()}
+        print(json.dumps(dict(answer, scenario=scenario)), flush=True)
+        if "error" in answer:
+            sys.exit(1)
+
+
+if __name__ == "__main__":
+    _worker_main(json.loads(sys.argv[1]))

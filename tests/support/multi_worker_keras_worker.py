@@ -1,8 +1,7 @@
-"""One worker of a MultiWorkerMirroredStrategy job training a tiny Keras model.
+"""A tiny Keras model trained under MultiWorkerMirroredStrategy: one worker's part.
 
-Not a test: `tests/keras/test_keras_multi_worker.py` starts one process per
-worker, each with its own `TF_CONFIG`, and passes every worker the same JSON
-job as the only argument:
+Not a test: each worker process of `multi_worker_job.py` calls `run` with
+its strategy, the job and the Keras in use (Keras 3's `keras` or `tf_keras`):
 
     {"steps": 6, "nan_steps": [1, 4], "nan_task": 1,
      "initial_loss_scale": 4.0, "increment_period": 2}
@@ -12,32 +11,19 @@ in a custom training loop (`strategy.run` of a `tf.function` step using
 `get_scaled_loss`, `get_unscaled_gradients` and `apply_gradients`). Each worker
 reads its own dataset; the worker whose task id is `nan_task` finds a NaN in
 its batch at each step listed in `nan_steps`, the other workers never do.
-
-The worker prints one JSON line with what it saw after each step:
+`run` returns what the worker saw after each step:
 
     {"task_id": 1, "num_replicas": 2, "scale": [...], "weights": [[...], ...],
      "iterations": [...], "skipped_steps": [...]}
 
-The data and the initial weights come from functions here that the test also
-imports, so it can replay the job in one process. With `TF_USE_LEGACY_KERAS=1`
-the worker trains with tf-keras (`tf.keras` is then tf-keras), as
-`tests/tf_keras/test_tf_keras_multi_worker.py` runs it.
+The data and the initial weights come from functions here that the tests also
+import, to replay the job in one process.
 """
 
-import json
-import os
-import sys
+import numpy as np
+import tensorflow as tf
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import numpy as np  # pylint: disable=g-import-not-at-top
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
-
-import keras  # pylint: disable=g-import-not-at-top
-import tf_lossscale  # pylint: disable=g-import-not-at-top
-
-if os.environ.get("TF_USE_LEGACY_KERAS") == "1":
-    keras = tf.keras  # tf-keras, as its users reach it.
+import tf_lossscale
 
 NUM_FEATURES = 3
 LOCAL_BATCH_SIZE = 4
@@ -57,7 +43,7 @@ def worker_batches(task_id, job):
     return x.astype(np.float32), y.astype(np.float32)
 
 
-def build_model(keras=keras):  # pylint: disable=redefined-outer-name
+def build_model(keras):
     """The model with fixed initial weights, the same in every process."""
     model = keras.Sequential([
         keras.Input((NUM_FEATURES,)),
@@ -70,7 +56,7 @@ def build_model(keras=keras):  # pylint: disable=redefined-outer-name
     return model
 
 
-def make_inner_optimizer(keras=keras):  # pylint: disable=redefined-outer-name
+def make_inner_optimizer(keras):
     # Momentum slots make a wrongly applied skipped step visible in every
     # later step, not only in the step itself.
     return keras.optimizers.SGD(learning_rate=0.05, momentum=0.9)
@@ -80,16 +66,15 @@ def per_example_loss(model, x, y):
     return tf.reduce_sum(tf.square(model(x) - y), axis=-1)
 
 
-def main(argv):
-    job = json.loads(argv[1])
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+def run(strategy, job, keras):
+    """Trains the job's model on this worker; returns what it saw."""
     task_id = strategy.cluster_resolver.task_id
     global_batch_size = LOCAL_BATCH_SIZE * strategy.num_replicas_in_sync
 
     with strategy.scope():
-        model = build_model()
+        model = build_model(keras)
         optimizer = tf_lossscale.LossScaleOptimizer(
-            make_inner_optimizer(),
+            make_inner_optimizer(keras),
             loss_scale=tf_lossscale.DynamicLossScale(
                 job["initial_loss_scale"], job["increment_period"]))
         optimizer.build(model.trainable_variables)
@@ -126,8 +111,4 @@ def main(argv):
             [float(v) for w in model.get_weights() for v in w.ravel()])
         observed["iterations"].append(int(optimizer.iterations.numpy()))
         observed["skipped_steps"].append(int(optimizer.skipped_steps))
-    print(json.dumps(observed), flush=True)
-
-
-if __name__ == "__main__":
-    main(sys.argv)
+    return observed

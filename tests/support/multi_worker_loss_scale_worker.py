@@ -1,11 +1,11 @@
-"""One worker of a MultiWorkerMirroredStrategy job that drives a loss scale.
+"""A loss scale driven under MultiWorkerMirroredStrategy: one worker's part.
 
-Not a test: tests start one process per worker, each with its own `TF_CONFIG`,
-and pass every worker the same JSON job description as the only argument:
+Not a test: each worker process of `multi_worker_job.py` calls `run` with
+its strategy and the job, `make_job()` (JSON, as every process gets it):
 
-    {"initial_loss_scale": 4.0, "increment_period": 2, "multiplier": 2.0,
+    {"initial_loss_scale": 8.0, "increment_period": 3, "multiplier": 2.0,
      "poison": [[0.0, NaN], [0.0, 0.0], ...],
-     "contexts": ["replica", "cross_replica"]}
+     "contexts": ["replica", "cross_replica"], "failure": {...}}
 
 `poison[step][replica]` is added to one of that replica's gradients in that
 step: 0.0 keeps the step finite, NaN, Infinity or -Infinity make it non-finite
@@ -13,12 +13,12 @@ on that replica only (Python's `json` reads and writes these spellings).
 
 An optional key "failure": {"loss_scale": {DynamicLossScale kwargs},
 "poison": [...]} runs last: a loss scale whose policy makes some step fail.
-The worker then prints one more line, with "context": "failure", the scale
+The worker then reports one more observation, "context": "failure", the scale
 after each step that passed, the step that failed (or null), the error's
 type and message, and the local copies of every state variable afterwards.
 
 For each context the worker creates a fresh `DynamicLossScale` under the
-strategy's scope, runs every step in a `tf.function` and prints one JSON line:
+strategy's scope, runs every step in a `tf.function` and reports:
 
     {"task_id": 1, "context": "replica", "num_replicas": 2,
      "scale": [...], "should_apply": [...], "replica_should_apply": [[...]],
@@ -30,19 +30,50 @@ Per step, `scale` and `should_apply` are what this worker saw;
 scale as received inside `strategy.run` by each local replica, and
 `variable_values` each local copy of the scale variable, so a test can check
 that nothing diverges. `collective_reductions_per_step` counts the all-reduce
-ops in the traced step function. The test compares the lines of all
+ops in the traced step function. The test compares the observations of all
 workers with each other and with a single-process computation.
 """
 
-import json
-import os
-import sys
+import numpy as np
+import tensorflow as tf
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import tf_lossscale
 
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
+NUM_WORKERS = 2
+POISONED_WORKER = 1
+CONTEXTS = ("replica", "cross_replica")
+# Only worker 1 overflows. With a hysteresis of 2 the scale backs off from
+# 4 to 2 to 1 on steps 2 and 3; step 4 is a back-off at the floor.
+FAILURE = {
+    "loss_scale": {"initial_loss_scale": 4.0, "increment_period": 2,
+                   "hysteresis": 2, "on_min_loss_scale": "raise"},
+    "poison": [[0.0, float("nan")], [0.0, 0.0]] + [[0.0, float("nan")]] * 5,
+}
 
-import tf_lossscale  # pylint: disable=g-import-not-at-top
+
+def worker_1_poison_schedule(num_steps=150, seed=0):
+    """Per step and worker, the value added to a gradient; 0 is finite.
+
+    Worker 0 is always finite. Worker 1 meets NaN, +Inf and -Inf at random,
+    sometimes several steps in a row (down to the floor of 1), between runs of
+    finite steps long enough for the scale to grow.
+    """
+    rng = np.random.RandomState(seed)
+    kinds = [float("nan"), float("inf"), float("-inf")]
+    rows = []
+    while len(rows) < num_steps:
+        rows.extend([[0.0] * NUM_WORKERS] * rng.randint(0, 10))
+        for _ in range(rng.randint(1, 4)):
+            row = [0.0] * NUM_WORKERS
+            row[POISONED_WORKER] = kinds[rng.randint(len(kinds))]
+            rows.append(row)
+    return rows[:num_steps]
+
+
+def make_job():
+    return {"initial_loss_scale": 8.0, "increment_period": 3,
+            "multiplier": 2.0, "contexts": list(CONTEXTS),
+            "poison": worker_1_poison_schedule(), "failure": FAILURE}
 
 
 def gradients_for(poison, step, replica):
@@ -159,14 +190,9 @@ def run_failure(strategy, spec):
     return observed
 
 
-def main(argv):
-    job = json.loads(argv[1])
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    for context in job["contexts"]:
-        print(json.dumps(run_context(strategy, job, context)), flush=True)
-    if "failure" in job:
-        print(json.dumps(run_failure(strategy, job["failure"])), flush=True)
-
-
-if __name__ == "__main__":
-    main(sys.argv)
+def run(strategy, job):
+    """This worker's observations: one per context, then the failure's."""
+    return [run_context(strategy, job, context)
+            for context in job["contexts"]] + (
+                [run_failure(strategy, job["failure"])]
+                if "failure" in job else [])

@@ -1,10 +1,9 @@
 """Every way of running an XLA-compiled step, for Keras 3 and for tf-keras.
 
 Not a test module: `tests/xla/test_xla_ways.py` runs each way here with
-Keras 3 in the pytest process, and `tests/support/tf_keras_xla_ways.py` runs
-them all with tf-keras (`TF_USE_LEGACY_KERAS=1`, one subprocess). A way is a
-function of the `keras` module in use; it raises AssertionError when the way
-misbehaves.
+Keras 3 in the pytest process, and with tf-keras in the session's
+`tf_keras_interpreter` (`run_with_tf_keras`). A way is a function of the
+`keras` module in use; it raises AssertionError when the way misbehaves.
 
 The loss scale asks for a failure (`DynamicLossScale(initial_loss_scale=2,
 min_loss_scale=1, on_min_loss_scale="raise")`), and NaN batches drive it to
@@ -546,14 +545,8 @@ def corrupted_default_scale_is_refused_and_raised_when_documented(keras):
         assert _count(optimizer.iterations) == 1
 
 
-def run_all(keras):
-    """{way: "ok" or the error} for every way, with `keras`."""
-    import traceback  # pylint: disable=g-import-not-at-top
-    results = {}
-    for name, fn in WAYS.items():
-        try:
-            fn(keras)
-            results[name] = "ok"
-        except Exception:  # pylint: disable=broad-except
-            results[name] = traceback.format_exc()
-    return results
+def run_with_tf_keras(name):
+    """Runs the way `name` with `tf.keras`, in a process where that is
+    tf-keras (`TF_USE_LEGACY_KERAS=1`)."""
+    assert tf.keras.__name__.startswith("tf_keras"), tf.keras.__name__
+    WAYS[name](tf.keras)

@@ -1,13 +1,14 @@
 """tf-keras users' journeys, in a process where `tf.keras` is tf-keras.
 
-This process imported Keras 3 first, so the journeys run in one subprocess
-with `TF_USE_LEGACY_KERAS=1` (`tests/support/tf_keras_journeys.py`, which
-checks each journey's results against results computed in the same run); each
-journey is reported here as its own test. A second subprocess checks that
-Keras 3 users do not pay for tf-keras: `import tf_lossscale` imports no
-tf_keras.
+This process imported Keras 3 first, so the journeys
+(`tests/support/tf_keras_journeys.py`, each checking its results against
+results computed in the same process) run in the session's tf-keras process
+(`TF_USE_LEGACY_KERAS=1`), each as its own test here. A fresh Keras 3 process
+checks that Keras 3 users do not pay for tf-keras: `import tf_lossscale`
+imports no tf_keras.
 """
 
+import json
 import re
 
 import pytest
@@ -32,22 +33,20 @@ JOURNEYS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def journey_results():
-    return subprocesses.run_script("tf_keras_journeys.py",
-                                   TF_USE_LEGACY_KERAS="1")
+_JOURNEYS_MODULE = "tests.support.tf_keras_journeys"
 
 
-def test_the_script_runs_exactly_these_journeys(journey_results):
-    assert sorted(journey_results) == sorted(JOURNEYS)
+def test_the_module_holds_exactly_these_journeys(tf_keras_interpreter):
+    assert tf_keras_interpreter.call(f"{_JOURNEYS_MODULE}:names") == sorted(
+        JOURNEYS)
 
 
 @pytest.mark.parametrize("journey", JOURNEYS)
-def test_journey(journey_results, journey):
-    assert journey_results[journey] == "ok", journey_results[journey]
+def test_journey(tf_keras_interpreter, journey):
+    tf_keras_interpreter.call(f"{_JOURNEYS_MODULE}:run", journey)
 
 
-def test_docs_tf_keras_fit_example_runs_with_tf_keras():
+def test_docs_tf_keras_fit_example_runs_with_tf_keras(tf_keras_interpreter):
     # The README points to this guide; tests/tools/test_docs_examples.py runs
     # its every block too, checking the printed line against its comment.
     guide = paths.ROOT / "docs" / "guides" / "tf-keras.md"
@@ -58,8 +57,8 @@ def test_docs_tf_keras_fit_example_runs_with_tf_keras():
     code = blocks[0] + (
         "\nimport json\nprint(json.dumps([int(optimizer.skipped_steps),"
         " int(optimizer.iterations), float(optimizer.loss_scale())]))")
-    assert subprocesses.run_json(
-        ["-c", code], TF_USE_LEGACY_KERAS="1") == [1, 1, 512.0]
+    printed = tf_keras_interpreter.run(code, str(guide))
+    assert json.loads(printed[-1]) == [1, 1, 512.0]
 
 
 def test_import_tf_lossscale_does_not_import_tf_keras():

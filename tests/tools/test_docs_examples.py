@@ -5,8 +5,8 @@ self-contained when its first line is an import; the others are fragments
 that rely on a model, data or a cluster of the reader's own. A block whose
 first line is `# Run with TF_USE_LEGACY_KERAS=1 ...` (the tf-keras guide)
 is runnable too: it needs `tf.keras` to be tf-keras, which this process,
-having imported Keras 3, cannot give it, so it runs in a subprocess with
-`TF_USE_LEGACY_KERAS=1` set before TensorFlow is imported.
+having imported Keras 3, cannot give it, so it runs in the session's
+tf-keras process (`TF_USE_LEGACY_KERAS=1` set before TensorFlow's import).
 
 What the examples print is what their comments say: a runnable block's
 `print(...)` calls each take one line and each prints one line, and a
@@ -16,10 +16,7 @@ printed, followed by the end of the comment or a space, colon or bracket.
 
 import contextlib
 import io
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -36,8 +33,6 @@ def _blocks(page):
 _LEGACY_KERAS = "# Run with TF_USE_LEGACY_KERAS=1"
 _RUNNABLE = [(page, block) for page in _PAGES for block in _blocks(page)
              if block.startswith(("import ", _LEGACY_KERAS))]
-# Bounds a hung subprocess, not a speed requirement.
-_TIMEOUT_SECONDS = 600
 
 # Guide pages whose code cannot run in this suite, and why. Everything else
 # in docs/guides/ with Python code must have a runnable example.
@@ -72,14 +67,15 @@ def test_examples_cover_the_loss_scales_and_keras():
     "page, block", _RUNNABLE,
     ids=[f"{_name(page)}-{index}" for index, (page, _)
          in enumerate(_RUNNABLE)])
-def test_docs_example_runs_and_prints_what_it_says(page, block):
+def test_docs_example_runs_and_prints_what_it_says(page, block, request):
     prints = [line for line in block.splitlines()
               if re.match(r"\s*print\(", line)]
     for line in prints:
         code = line.split("  # ", 1)[0]
         assert code.count("(") == code.count(")"), f"{line!r} spans lines"
     if block.startswith(_LEGACY_KERAS):
-        printed = _run_with_tf_keras(block)
+        printed = request.getfixturevalue("tf_keras_interpreter").run(
+            block, str(page))
     else:
         output = io.StringIO()
         with contextlib.redirect_stdout(output):
@@ -92,18 +88,6 @@ def test_docs_example_runs_and_prints_what_it_says(page, block):
         claimed = line.split("  # ", 1)[1].strip()
         assert re.fullmatch(re.escape(actual) + r"([ :(].*)?", claimed), (
             f"{line.strip()!r} printed {actual!r}")
-
-
-def _run_with_tf_keras(block):
-    root = str(_DOCS.parent)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="1")
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (root, env.get("PYTHONPATH")) if p)
-    done = subprocess.run([sys.executable, "-c", block], env=env, cwd=root,
-                          capture_output=True, text=True,
-                          timeout=_TIMEOUT_SECONDS, check=False)
-    assert done.returncode == 0, done.stderr[-6000:]
-    return done.stdout.splitlines()
 
 
 def test_tf_keras_examples_run_with_tf_keras_as_tf_keras():
