@@ -243,7 +243,7 @@ def test_keras_wrapper_checkpoint_gives_its_inner_state_in_any_order(
     _assert_continues_as(model, optimizer, _snapshot(source, source_optimizer))
 
 
-@pytest.mark.parametrize("version", ["v0_1", "v0_2", "v0_3"])
+@pytest.mark.parametrize("version", ["v0_1", "v0_2", "v0_3", "v0_4"])
 def test_earlier_wrapper_checkpoints_restore_before_build(version):
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = make_fixtures.model()

@@ -32,7 +32,9 @@ FIXTURES = paths.FIXTURES
 # the plain names too, before 0.3.0 added the wrapper's `_variables` to them.
 # v0_3: written by the 0.3.0 release (commit c4ddea4, TF 2.21.0, Keras
 # 3.15.1), before 0.4.0 moved the loss scales into modules of their own.
-VERSIONS = ("v0_1", "v0_2", "v0_3")
+# v0_4: written by the 0.4.0 release (commit 4ef8ac3, TF 2.21.0, Keras
+# 3.15.1), before 0.5.0 moved the package into folders and rewrote saving.
+VERSIONS = ("v0_1", "v0_2", "v0_3", "v0_4")
 
 
 def _expected(version):
