@@ -145,6 +145,13 @@ def test_every_entry_point_bounds_its_message(keras3_wrapper, label):
                           for entry in entry_points})
 
 
+def test_an_int_too_long_to_write_is_described_by_its_size_at_any_depth():
+    bits = (10**5000).bit_length()
+    assert checks.summary(10**5000) == f"<int of {bits} bits>"
+    assert checks.summary([1, {"k": -10**5000}]) == (
+        f"[1, {{'k': <-int of {bits} bits>}}]")
+
+
 # ---------------------------------------------------------------------------
 # 2. Constructor arguments, at their type and range edges.
 

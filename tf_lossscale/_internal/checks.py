@@ -1,10 +1,9 @@
 """Argument checks for every entry point, and the package's two exceptions.
 
-A check runs before anything is created or changed. Messages name the
-argument and show the value through `summary`, bounded whatever the value. A
-bool is no number; an int argument takes a float holding a whole number
-(`2.0`, as JSON writes it). A step's checks read only what Python knows
-(lengths, static dtypes and shapes): in a `tf.function` they add no op.
+A check runs before anything is created or changed; its message names the
+argument and shows the value's bounded `summary`. A bool is no number; an int
+argument takes a whole float (`2.0`, as JSON writes it). A step's checks read
+only lengths, static dtypes and shapes: in a `tf.function` they add no op.
 """
 
 import collections.abc
@@ -20,18 +19,16 @@ from tf_lossscale._internal import private_api
 
 
 class DoubleScalingError(TypeError, ValueError):
-    """A wrapper was given an optimizer that already scales the loss. Every
-    wrapper raises it: a TypeError, as tf-keras' wrapper raises, and a
-    ValueError, as TensorFlow's TF1 wrapper raises, for code matching either.
-    """
+    """A wrapper was given an optimizer that already scales the loss: a
+    TypeError, as tf-keras' wrapper raises, and a ValueError, as TensorFlow's
+    TF1 wrapper raises, for code matching either."""
 
 
 class ReplicaContextError(ValueError, RuntimeError):
     """A wrapper's step was called in a strategy's cross-replica context,
-    where one call cannot stand for every replica's step. Every wrapper
-    raises it: a ValueError, as TensorFlow's and Keras' own wrappers raise,
-    and a RuntimeError, for code written against earlier tf_lossscale.
-    """
+    where one call cannot stand for every replica's step: a ValueError, as
+    TensorFlow's and Keras' own wrappers raise, and a RuntimeError, for code
+    written against earlier tf_lossscale."""
 
 
 # A loss scale lives in a float32 variable: a larger float would become inf.
@@ -41,8 +38,18 @@ _INT64_MAX = int(np.iinfo(np.int64).max)
 SUMMARY_CHARS = 160
 _FLOATING = "float16, bfloat16, float32 or float64"
 _NO_VARIABLE = object()  # A gradient checked alone.
-# Bounded: a few items, a few levels; a failing repr gets a placeholder.
-_SHORT_REPR = reprlib.Repr()
+
+
+class _ShortRepr(reprlib.Repr):
+    """A few items and levels; an int too long to write, by its size."""
+
+    def repr_int(self, x, level):
+        if x.bit_length() > 500:
+            return f"<{'-' if x < 0 else ''}int of {x.bit_length()} bits>"
+        return super().repr_int(x, level)
+
+
+_SHORT_REPR = _ShortRepr()
 _SHORT_REPR.maxlevel, _SHORT_REPR.maxstring = 3, 60
 _SHORT_REPR.maxlong = _SHORT_REPR.maxother = SUMMARY_CHARS
 
@@ -50,9 +57,6 @@ _SHORT_REPR.maxlong = _SHORT_REPR.maxother = SUMMARY_CHARS
 def summary(value):
     """`value` in at most ~200 characters: its repr, or a clipped one with
     its type and length (`[1.0, ...] (list of length 1000000)`)."""
-    if isinstance(value, int) and value.bit_length() > 500:
-        # Python refuses to write ints of more than 4300 digits.
-        return f"<{'-' if value < 0 else ''}int of {value.bit_length()} bits>"
     try:
         text = _SHORT_REPR.repr(value)
     except Exception:  # pylint: disable=broad-except  # A hostile subclass.
@@ -152,7 +156,7 @@ def inner_optimizer(value, optimizer_types, wrapper_types, expected, *,
     if not isinstance(value, optimizer_types):
         raise error(f'"{argument}" must be an instance of {expected}, but '
                     f"got: {summary(value)} of type {type(value).__name__}")
-    if private_api.tf_keras_is_wrapped(value):
+    if getattr(value, private_api.TF_KERAS_WRAPPED, False):
         raise ValueError(
             f'"{argument}" is already wrapped by a LossScaleOptimizer. An '
             "optimizer can only be wrapped by a single LossScaleOptimizer: "
@@ -161,16 +165,14 @@ def inner_optimizer(value, optimizer_types, wrapper_types, expected, *,
 
 
 def claim(inner):
-    """Marks `inner` as its wrapper's: `inner_optimizer` refuses it now."""
-    # One mark for every wrapper, the flag tf-keras' own wrapper sets and
-    # reads: its wrapper and ours then refuse each other's inner optimizers.
-    private_api.tf_keras_mark_wrapped(inner)
+    """Marks `inner` wrapped with tf-keras' flag: every wrapper refuses it."""
+    setattr(inner, private_api.TF_KERAS_WRAPPED, True)
 
 
 def optimizer_config(config, custom_objects, optimizer_types=()):
-    """The key of `config`'s inner optimizer, after checking, before Keras'
-    deserializer does, `config`'s shape and its inner optimizer: serialized
-    (a dict with a string `class_name`), or of `optimizer_types`."""
+    """`(inner, kwargs)` of a wrapper's config (TF 2.1-2.3's names `inner`
+    `optimizer`), checked before Keras' deserializer reads it: `inner`
+    serialized (a dict with a string `class_name`) or of `optimizer_types`."""
     of_type("custom_objects", custom_objects,
             (collections.abc.Mapping, type(None)), "a dict of names to classes")
     if not isinstance(config, dict) or any(
@@ -189,7 +191,8 @@ def optimizer_config(config, custom_objects, optimizer_types=()):
         raise TypeError(f"A LossScaleOptimizer config's {key!r} must be a "
                         "serialized optimizer, a dict like {'class_name': "
                         f"'Adam', 'config': {{...}}}}, got {summary(inner)}")
-    return key
+    return inner, {name: value for name, value in config.items()
+                   if name != key}
 
 
 def replica_context():
@@ -199,9 +202,6 @@ def replica_context():
         raise ReplicaContextError(
             "LossScaleOptimizer.apply_gradients must be called in a replica "
             "context (strategy.run, model.fit), not under strategy.scope()")
-
-
-# Checked before the scale's update: Keras refuses a step's values after it.
 
 
 def pairs(grads_and_vars):

@@ -1,11 +1,9 @@
 """Every private TensorFlow, Keras and tf-keras API tf_lossscale relies on.
 
 The rest of the package reaches other libraries' internals (private modules,
-`tf.__internal__`, underscored attributes and overrides) only through this
-module, so that a release which changes one shows here:
+`tf.__internal__`, underscored attributes and overrides) only through here:
 `tests/tools/test_private_api.py` probes every entry on the installed
-releases and fails naming the entry. tf_keras is imported only by the
-tf-keras entries, when called.
+releases and fails naming it. tf_keras is imported only when called.
 """
 
 # pylint: disable=protected-access
@@ -25,7 +23,6 @@ def in_xla_context():
 
 
 # --- TensorFlow: checkpoint dependencies --------------------------------------
-
 # Objects with named checkpoint dependencies; a wrapper whose dependencies
 # are the inner object's (tf-keras'); assignment that tracks nothing.
 Trackable = tf.__internal__.tracking.Trackable
@@ -52,19 +49,10 @@ class ChoosesCheckpointChildren:
         found = super()._trackable_children(save_type, **kwargs)
         return self._checkpoint_children(found, save_type, **kwargs)
 
-    def _checkpoint_children(self, found, save_type, **kwargs):
-        raise NotImplementedError
-
 
 class SavedTensors(Trackable):
     """A checkpoint entry that saves `save_tensors()` (`{name: tensor}`) and
     restores them with `restore_tensors(tensors)`."""
-
-    def save_tensors(self):
-        raise NotImplementedError
-
-    def restore_tensors(self, tensors):
-        raise NotImplementedError
 
     def _serialize_to_tensors(self):
         return self.save_tensors()
@@ -91,12 +79,6 @@ class RestoreReceiver(Trackable):
     """A checkpoint entry whose children are `children()` when saving; when
     restoring, each saved child goes to `receive(name, position)` (TF's
     `CheckpointPosition`), as no dependency matches it."""
-
-    def children(self):
-        raise NotImplementedError
-
-    def receive(self, name, position):
-        raise NotImplementedError
 
     def saved_child_names(self, position, trackable):
         """The saved children's names of the object `position`'s restore
@@ -143,8 +125,6 @@ def defer_restores(trackable, name, positions):
 
 
 # --- TensorFlow: tensors, TF1, distribution -----------------------------------
-
-
 class TensorLike:
     """Mixin: `tf.is_tensor(obj)` is True, and `Session.run(obj)` fetches
     `obj._graph_read()`, a tensor of the default graph."""
@@ -155,9 +135,6 @@ class TensorLike:
 
     def _as_graph_element(self):
         return self._graph_read()
-
-    def _graph_read(self):
-        raise NotImplementedError
 
 
 def tf1_loss_scale_variables(loss_scale):
@@ -176,7 +153,6 @@ def variable_key(variable):
 
 
 # --- Keras 3 ------------------------------------------------------------------
-
 # A Keras optimizer's checkpoint dependency names: its iterations, its
 # learning rate, its list of every variable.
 KERAS_ITERATIONS = "_iterations"
@@ -220,27 +196,18 @@ def init_without_keras_loss_scale_optimizer(optimizer, name):
 
 
 # --- tf-keras -----------------------------------------------------------------
+# The flag tf-keras' wrappers set on the optimizer they wrap, and refuse.
+TF_KERAS_WRAPPED = "_is_wrapped_by_loss_scale_optimizer"
 
 
 def tf_keras_loss_scale_optimizers():
-    """tf-keras' loss_scale_optimizer module: `BaseLossScaleOptimizer`,
-    `LossScaleOptimizerV3` and the legacy `LossScaleOptimizer` delegate to
-    the inner optimizer in `_optimizer` (and can be subclassed with their
-    `__init__` skipped); `FakeOptimizerForRestoration(inner)` hands the slots
-    a TF 2.2 wrapper saved under `base_optimizer` to `inner`."""
+    """tf-keras' module of wrappers, which delegate to `_optimizer` (and can
+    be subclassed, `__init__` skipped): `BaseLossScaleOptimizer`,
+    `LossScaleOptimizerV3`, the legacy `LossScaleOptimizer`; and of
+    `FakeOptimizerForRestoration(inner)`, which hands `inner` the slots a
+    TF 2.2 wrapper saved under `base_optimizer`."""
     from tf_keras.src.mixed_precision import loss_scale_optimizer  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
     return loss_scale_optimizer
-
-
-def tf_keras_mark_wrapped(inner_optimizer):
-    """Flags `inner_optimizer` as wrapped: tf-keras' wrappers refuse it."""
-    inner_optimizer._is_wrapped_by_loss_scale_optimizer = True
-
-
-def tf_keras_is_wrapped(inner_optimizer):
-    """Whether a tf-keras wrapper flagged `inner_optimizer`."""
-    return bool(getattr(inner_optimizer, "_is_wrapped_by_loss_scale_optimizer",
-                        False))
 
 
 def tf_keras_create_all_weights(inner_optimizer, var_list):

@@ -47,8 +47,6 @@ EXTRAS = (
      "GPU on Linux: tensorflow with NVIDIA's CUDA libraries"),
 )
 
-UNTESTED_PREFIX = "tf_lossscale is not tested with"
-
 
 class UntestedReleaseWarning(UserWarning):
     """TensorFlow, Keras or tf-keras is newer than tested (once per package
@@ -129,10 +127,9 @@ def warn_untested(newer):
     if newer:
         _WARNED.update(supported.module for supported, _, _ in newer)
         warnings.warn(
-            "%s %s: it was tested with %s. It usually works; if something "
-            "fails, please report it, and meanwhile install a tested "
-            "release:\n%s" % (
-                UNTESTED_PREFIX,
+            "tf_lossscale is not tested with %s: it was tested with %s. It "
+            "usually works; if something fails, please report it, and "
+            "meanwhile install a tested release:\n%s" % (
                 " and ".join("%s %s" % (s.name, v) for s, v, _ in newer),
                 " and ".join(s.tested for s, _, _ in newer),
                 "\n".join(line for _, _, line in newer)),

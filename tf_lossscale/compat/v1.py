@@ -1,9 +1,7 @@
 """`MixedPrecisionLossScaleOptimizer`: loss scaling for `tf.compat.v1.train`.
 
-The drop-in for `tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer`;
-the step is `tf_lossscale.step.loss_scaled_step`'s, shared with the Keras
-wrappers. docs/guides/tf1.md says what users get and how it differs from
-TensorFlow's wrapper.
+The drop-in for `tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer`
+(docs/guides/tf1.md); the step is `loss_scaled_step`'s, as the Keras ones'.
 """
 
 import tensorflow as tf
@@ -13,7 +11,7 @@ from tf_lossscale._internal import private_api
 from tf_lossscale.ops import replicas
 from tf_lossscale.ops import unscaling
 from tf_lossscale.step import loss_scaled_step
-from tf_lossscale.step import optimizer_protocol
+from tf_lossscale.step import optimizer_arguments
 
 __all__ = ["MixedPrecisionLossScaleOptimizer"]
 
@@ -22,14 +20,8 @@ _TF_LOSS_SCALE = tf.compat.v1.mixed_precision.LossScale
 
 
 class MixedPrecisionLossScaleOptimizer(tf.compat.v1.train.Optimizer):
-    """Wraps a `tf.compat.v1.train.Optimizer` with loss scaling.
-
-    `compute_gradients` differentiates `loss * scale` with the wrapped
-    optimizer and divides the gradients by the scale; `apply_gradients`
-    updates the scale from them and applies them with the wrapped optimizer
-    only if every one is finite (in a graph, one op does both), so a skipped
-    step leaves the variables, the slots and `global_step` as they were;
-    `minimize` is the two in turn.
+    """Wraps a `tf.compat.v1.train.Optimizer` with loss scaling: a skipped
+    step leaves the variables, the slots and `global_step` as they were.
 
     Args:
       opt: the `tf.compat.v1.train.Optimizer` to wrap (its name and
@@ -44,9 +36,6 @@ class MixedPrecisionLossScaleOptimizer(tf.compat.v1.train.Optimizer):
         wrapper raises) or already scales the loss (`DoubleScalingError`),
         or `loss_scale` is None or refused.
       TypeError: `loss_scale` is a config of the wrong shape.
-
-    Checkpoints hold the wrapped optimizer as `base_optimizer` and the loss
-    scale as `loss_scale`, named as TensorFlow's wrapper names them.
     """
 
     def __init__(self, opt, loss_scale="dynamic"):
@@ -56,7 +45,7 @@ class MixedPrecisionLossScaleOptimizer(tf.compat.v1.train.Optimizer):
              tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer),
             "`tf.compat.v1.train.Optimizer`", argument="opt",
             error=ValueError)
-        resolved = optimizer_protocol.resolve_loss_scale(
+        resolved = optimizer_arguments.resolve_loss_scale(
             loss_scale, own_types=_TF_LOSS_SCALE)
         super().__init__(private_api.tf1_use_locking(opt), opt.get_name())
         # Unclaimed: as with TensorFlow's wrapper, one optimizer may serve
@@ -97,10 +86,9 @@ class MixedPrecisionLossScaleOptimizer(tf.compat.v1.train.Optimizer):
         """Updates the loss scale from `grads_and_vars` (unscaled, as
         `compute_gradients` returns them) and applies them if all are finite
         (`global_step`, if given, counts applied steps). Returns the step's
-        op named `name` in a graph, None eagerly. Raises
-        `ReplicaContextError` in a strategy's cross-replica context, and
-        TypeError or ValueError for refused pairs, before anything changes.
-        """
+        op named `name` in a graph, None eagerly. Raises, before anything
+        changes, `ReplicaContextError` in a strategy's cross-replica context
+        and TypeError or ValueError for refused pairs."""
         checks.replica_context()
         replicas.check_supported()
         grads, variables = checks.pairs(grads_and_vars)

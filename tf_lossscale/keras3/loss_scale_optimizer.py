@@ -1,10 +1,8 @@
 """`LossScaleOptimizer`: the Keras 3 optimizer wrapper driven by a `LossScale`.
 
-It subclasses `keras.optimizers.LossScaleOptimizer`, so that `compile` under
-`mixed_float16` keeps it as it is, and replaces all of that class's
-behaviour: the step is `tf_lossscale.step.loss_scaled_step`'s, shared with
-the other wrappers; saving is `tf_lossscale.keras3.saving`. docs/guides/
-keras.md says what users get.
+A `keras.optimizers.LossScaleOptimizer`, so that `compile` under
+`mixed_float16` keeps it, with none of that class's behaviour: the step is
+`loss_scaled_step`'s, saving `keras3.saving`'s (docs/guides/keras.md).
 """
 
 import sys
@@ -20,6 +18,7 @@ from tf_lossscale.loss_scales import loss_scale as loss_scale_lib
 from tf_lossscale.loss_scales import xla_checks
 from tf_lossscale.ops import replicas
 from tf_lossscale.step import loss_scaled_step
+from tf_lossscale.step import optimizer_arguments
 from tf_lossscale.step import optimizer_protocol
 
 _NOT_GIVEN = object()
@@ -54,11 +53,9 @@ def _for_tf_keras(inner_optimizer):
     """Whether `inner_optimizer` gets a tf-keras wrapper: a tf-keras
     optimizer; with `tf.keras` being tf-keras, anything but a Keras 3
     optimizer, so that a mistake is refused in tf-keras' terms."""
-    if optimizer_protocol.comes_from_tf_keras(inner_optimizer):
-        return True
-    return bool(optimizer_protocol.tf_keras_is_tf_keras()
-                and _tf_keras_wrapper_classes()
-                and not isinstance(inner_optimizer, keras.optimizers.Optimizer))
+    return optimizer_protocol.comes_from_tf_keras(inner_optimizer) or bool(
+        optimizer_protocol.tf_keras_is_tf_keras() and _tf_keras_wrapper_classes()
+        and not isinstance(inner_optimizer, keras.optimizers.Optimizer))
 
 
 def _warn_if_scaling_bfloat16(loss_scale):
@@ -76,8 +73,8 @@ def _warn_if_scaling_bfloat16(loss_scale):
 
 
 @keras.saving.register_keras_serializable(package="tf_lossscale")
-class LossScaleOptimizer(private_api.ChoosesCheckpointChildren,
-                         optimizer_protocol.InnerHyperparameters,
+class LossScaleOptimizer(saving.SavedState,
+                         optimizer_arguments.InnerHyperparameters,
                          optimizer_protocol.ScaledLossProtocol,
                          keras.optimizers.LossScaleOptimizer,
                          metaclass=_OneNameForEveryKeras):
@@ -103,13 +100,6 @@ class LossScaleOptimizer(private_api.ChoosesCheckpointChildren,
       ValueError: `inner_optimizer` already scales the loss
         (`DoubleScalingError`) or is wrapped already, or a loss-scale
         argument is invalid or conflicts with another.
-
-    A skipped step leaves weights, slots and `iterations` (the inner
-    optimizer's) untouched and adds one to `skipped_steps`. The per-step
-    hyperparameters of the inner optimizer (`weight_decay`, the clipping
-    ones, `ema_momentum`, `ema_overwrite_frequency`) read and write through;
-    setting `use_ema`, `gradient_accumulation_steps` or `loss_scale_factor`
-    on the wrapper raises ValueError.
     """
 
     def __new__(cls, inner_optimizer=_NOT_GIVEN, *args, **kwargs):
@@ -132,8 +122,8 @@ class LossScaleOptimizer(private_api.ChoosesCheckpointChildren,
                 f"{checks.summary(inner_optimizer.loss_scale_factor)}; the "
                 "LossScaleOptimizer scales the loss itself, so leave it unset")
         checks.of_type("name", name, (str, type(None)), "a string or None")
-        optimizer_protocol.check_base_optimizer_arguments(kwargs)
-        resolved = optimizer_protocol.resolve_loss_scale(
+        optimizer_arguments.check_base_optimizer_arguments(kwargs)
+        resolved = optimizer_arguments.resolve_loss_scale(
             loss_scale, dynamic, initial_scale, dynamic_growth_steps)
         # Keras' own wrapper's constructor makes scale variables we do not use.
         private_api.init_without_keras_loss_scale_optimizer(self, name)
@@ -143,7 +133,6 @@ class LossScaleOptimizer(private_api.ChoosesCheckpointChildren,
         # it, not under the attribute's name automatic tracking would use.
         object.__setattr__(self, "_loss_scale", resolved)
         private_api.track(self, resolved, "loss_scale")
-        self._reset_protocol()
         with keras.name_scope(self.name):
             self._skipped_steps = keras.Variable(
                 0, name="skipped_steps", dtype="int64", trainable=False,
@@ -162,14 +151,8 @@ class LossScaleOptimizer(private_api.ChoosesCheckpointChildren,
     def learning_rate(self, learning_rate):
         self.inner_optimizer.learning_rate = learning_rate
 
-    @property
-    def variables(self):
-        """All state: the wrapper's, the loss scale's, the inner optimizer's."""
-        return saving.listed_variables(self)
-
     def build(self, var_list):
-        # Restores pending on the wrapper must wait on the inner optimizer.
-        saving.hand_pending_restores_to_inner(self)
+        self._hand_pending_restores_to_inner()
         self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
         with keras.name_scope(self.name):
@@ -178,13 +161,12 @@ class LossScaleOptimizer(private_api.ChoosesCheckpointChildren,
                 tf.zeros([len(var_list)], tf.int32), name="last_nonfinite",
                 dtype="int32", trainable=False, aggregation="none")
 
-    def last_nonfinite_variables(self):
-        """`variable.path` of each variable whose gradient held NaN or +-Inf
-        on the most recent skipped step, on any replica or worker, in build
-        order; `[]` before one. Syncs device and host."""
-        if not self.built:
-            return []
-        return self._nonfinite_paths(private_api.keras_built_for(self))
+    @property
+    def _built_for(self):
+        return private_api.keras_built_for(self)
+
+    def _positions(self, variables):
+        return [private_api.keras_variable_index(self, v) for v in variables]
 
     # The step's replaceable parts; the benchmark's ablations swap one.
     _step_parts = loss_scaled_step.FULL_STEP
@@ -197,11 +179,10 @@ class LossScaleOptimizer(private_api.ChoosesCheckpointChildren,
     def apply(self, grads, trainable_variables=None):
         """Applies `grads` unless the loss scale says this step overflowed.
 
-        Must run in a replica context (`fit`, `strategy.run`, or no
-        strategy), else `ReplicaContextError`. `trainable_variables`
-        defaults to those the optimizer was built with. A refused argument
-        changes nothing, the optimizer's build included.
-        """
+        In a replica context (`fit`, `strategy.run`, or no strategy), else
+        `ReplicaContextError`. `trainable_variables` defaults to those the
+        optimizer was built with. A refused argument changes nothing, not
+        even the build."""
         checks.replica_context()
         replicas.check_supported()
         if trainable_variables is not None:
@@ -209,8 +190,8 @@ class LossScaleOptimizer(private_api.ChoosesCheckpointChildren,
         elif not self.built:
             raise ValueError("The first apply needs trainable_variables, or "
                              "call optimizer.build(variables) first")
-        variables = (private_api.keras_built_for(self)
-                     if trainable_variables is None else trainable_variables)
+        variables = (self._built_for if trainable_variables is None
+                     else trainable_variables)
         grads = checks.gradients(grads, variables)
         loss_scaled_step.check_traceable(self._loss_scale)
         if not self.built:
@@ -225,14 +206,6 @@ class LossScaleOptimizer(private_api.ChoosesCheckpointChildren,
             self.inner_optimizer.apply, self._skip_record,
             stats=self._stats_for(variables), parts=parts)
 
-    @property
-    def _skip_record(self):
-        built_for = private_api.keras_built_for(self)
-        return loss_scaled_step.SkipRecord(
-            self._skipped_steps, self._last_nonfinite,
-            lambda variables: [private_api.keras_variable_index(self, v)
-                               for v in variables or built_for])
-
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise NotImplementedError(
             "tf_lossscale.LossScaleOptimizer is stateful (TensorFlow "
@@ -244,18 +217,8 @@ class LossScaleOptimizer(private_api.ChoosesCheckpointChildren,
         xla_checks.act(self)
         self.inner_optimizer.finalize_variable_values(var_list)
 
-    def save_own_variables(self, store):
-        saving.save_own_variables(self, store)
-
-    def load_own_variables(self, store):
-        saving.load_own_variables(self, store)
-
-    def _checkpoint_children(self, found, save_type, **kwargs):
-        return saving.checkpoint_children(self, found, save_type, **kwargs)
-
-    def get_config(self):
-        return optimizer_protocol.wrapper_config(
-            self, keras.saving.serialize_keras_object(self.inner_optimizer))
+    def _serialize_inner(self):
+        return keras.saving.serialize_keras_object(self.inner_optimizer)
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
@@ -265,8 +228,7 @@ class LossScaleOptimizer(private_api.ChoosesCheckpointChildren,
             from tf_lossscale.tf_keras import loss_scale_optimizer as tf_keras_optimizer  # pylint: disable=g-import-not-at-top
             return tf_keras_optimizer.LossScaleOptimizer.from_config(
                 config, custom_objects)
-        inner, kwargs = optimizer_protocol.constructor_arguments(
-            config, custom_objects)
+        inner, kwargs = checks.optimizer_config(config, custom_objects)
         if isinstance(inner.get("config"), dict):
             inner = {**inner, "config": {
                 key: value for key, value in inner["config"].items()

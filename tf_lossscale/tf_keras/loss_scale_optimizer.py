@@ -1,10 +1,8 @@
 """`LossScaleOptimizer` for tf-keras (Keras 2) optimizers, both kinds.
 
-`tf_lossscale.LossScaleOptimizer(opt)` returns a class of this module for a
-tf-keras optimizer (imported only then): a subclass of tf-keras' own wrapper
-for its kind, keeping its delegation, checkpoint layout, exception types and
-phrases; the step is `tf_lossscale.step.loss_scaled_step`'s.
-docs/guides/tf-keras.md says what users get and how it differs.
+`tf_lossscale.LossScaleOptimizer(opt)` gives a tf-keras optimizer a subclass
+of tf-keras' own wrapper for its kind, with its delegation, checkpoint
+layout, exception types and phrases (docs/guides/tf-keras.md).
 """
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -22,8 +20,8 @@ from tf_lossscale._internal import private_api
 from tf_lossscale.loss_scales import xla_checks
 from tf_lossscale.ops import replicas
 from tf_lossscale.step import loss_scaled_step
+from tf_lossscale.step import optimizer_arguments
 from tf_lossscale.step import optimizer_protocol
-from tf_lossscale.tf_keras import saving
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 _tf_keras_lso = private_api.tf_keras_loss_scale_optimizers()
@@ -32,8 +30,7 @@ _LEGACY_BASE = tf_keras.optimizers.legacy.Optimizer
 
 
 def wrap(inner_optimizer, *args, **kwargs):
-    """The wrapper of `inner_optimizer`'s kind, with the arguments of
-    `tf_lossscale.LossScaleOptimizer`."""
+    """`tf_lossscale.LossScaleOptimizer(inner_optimizer, ...)`, of its kind."""
     if isinstance(inner_optimizer, _LEGACY_BASE):
         return LegacyLossScaleOptimizer(inner_optimizer, *args, **kwargs)
     return LossScaleOptimizer(inner_optimizer, *args, **kwargs)
@@ -51,14 +48,13 @@ def _check_strategy():
         ) from error
 
 
-class _TfKerasWrapper(saving.SavedState, optimizer_protocol.ScaledLossProtocol):
-    """What both classes add to tf-keras' wrappers; arguments and errors as
-    `tf_lossscale.LossScaleOptimizer`'s, in tf-keras' types and phrases."""
+class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
+    """What both classes add to tf-keras' wrappers. `variables` (which files
+    store in order) are the inner optimizer's, the loss scale's, then the
+    wrapper's own (`skipped_steps`, the overflow flags)."""
 
     _INNER_BASE = None  # The inner optimizers' base class.
-    # Made with the inner optimizer's slots (`_build`).
-    _last_nonfinite = None
-    _built_for = ()
+    _built_for = ()  # Set with the overflow flags (`_build`).
 
     def __init__(self, inner_optimizer, loss_scale="dynamic", name=None, *,
                  initial_scale=None, dynamic_growth_steps=None, dynamic=None,
@@ -69,9 +65,9 @@ class _TfKerasWrapper(saving.SavedState, optimizer_protocol.ScaledLossProtocol):
             "`tf.keras.optimizers.Optimizer` or "
             "`tf.keras.optimizers.experimental.Optimizer`")
         checks.of_type("name", name, (str, type(None)), "a string or None")
-        optimizer_protocol.check_base_optimizer_arguments(kwargs)
+        optimizer_arguments.check_base_optimizer_arguments(kwargs)
         _check_strategy()  # As tf-keras' wrapper; before the scale is made.
-        resolved = optimizer_protocol.resolve_loss_scale(
+        resolved = optimizer_arguments.resolve_loss_scale(
             loss_scale, dynamic, initial_scale, dynamic_growth_steps)
         # First: the legacy class's __setattr__ reads the inner optimizer.
         self._optimizer = inner_optimizer
@@ -87,7 +83,6 @@ class _TfKerasWrapper(saving.SavedState, optimizer_protocol.ScaledLossProtocol):
                 0, name="skipped_steps", dtype=tf.int64, trainable=False,
                 aggregation=tf.VariableAggregation.NONE)
         private_api.track(self, self._skipped_steps, "skipped_steps")
-        self._reset_protocol()
 
     def _build(self, var_list):
         """Builds the inner optimizer and the per-variable overflow flags."""
@@ -96,7 +91,6 @@ class _TfKerasWrapper(saving.SavedState, optimizer_protocol.ScaledLossProtocol):
             self._build_inner(var_list)
             if self._last_nonfinite is not None:
                 return
-            # One flag per variable, written only on skipped steps.
             flags = tf.Variable(
                 tf.zeros([len(var_list)], tf.int32), name="last_nonfinite",
                 trainable=False, aggregation=tf.VariableAggregation.NONE)
@@ -105,17 +99,15 @@ class _TfKerasWrapper(saving.SavedState, optimizer_protocol.ScaledLossProtocol):
         object.__setattr__(self, "_last_nonfinite", flags)
         object.__setattr__(self, "_built_for", var_list)
 
-    def last_nonfinite_variables(self):
-        """Paths (names without `:0`) of the variables whose gradients held
-        NaN or +-Inf on the last skipped step, on any replica or worker, in
-        build order; `[]` before one. Syncs device and host."""
-        return self._nonfinite_paths(self._built_for)
+    def _positions(self, variables):
+        index = {private_api.variable_key(v): i
+                 for i, v in enumerate(self._built_for)}
+        return [index[private_api.variable_key(v)] for v in variables]
 
     def apply_gradients(self, grads_and_vars, name=None, **kwargs):
-        """Applies the gradients unless the step's are not all finite:
-        unscaled ones (`get_unscaled_gradients`), or scaled ones after
-        `scale_loss`. As in tf-keras, they are aggregated across replicas
-        first, by the inner optimizer (`kwargs` are its arguments)."""
+        """Applies the gradients, unscaled (`get_unscaled_gradients`) or scaled
+        (`scale_loss`), unless they are not all finite once aggregated across
+        replicas by the inner optimizer (`kwargs` are its), as in tf-keras."""
         self.check_unscaled()
         checks.replica_context()
         _check_strategy()
@@ -134,14 +126,8 @@ class _TfKerasWrapper(saving.SavedState, optimizer_protocol.ScaledLossProtocol):
         def apply_fn(grads, variables):
             return self._apply_aggregated(list(zip(grads, variables)), name)
 
-        positions = {private_api.variable_key(v): i
-                     for i, v in enumerate(self._built_for)}
-        skip_record = loss_scaled_step.SkipRecord(
-            self._skipped_steps, self._last_nonfinite,
-            lambda variables: [positions[private_api.variable_key(v)]
-                               for v in variables or self._built_for])
         step = loss_scaled_step.apply_or_skip(
-            self._loss_scale, grads, variables, apply_fn, skip_record,
+            self._loss_scale, grads, variables, apply_fn, self._skip_record,
             stats=self._stats_for(variables))
         return self.iterations if step is None else step
 
@@ -164,14 +150,50 @@ class _TfKerasWrapper(saving.SavedState, optimizer_protocol.ScaledLossProtocol):
             "get_scaled_loss() in the tape, and unscale the gradients with "
             "get_unscaled_gradients().")
 
-    def get_config(self):
-        return optimizer_protocol.wrapper_config(
-            self, tf_keras.optimizers.serialize(self._optimizer))
+    def _all_variables(self):
+        own = [self._skipped_steps] + (
+            [] if self._last_nonfinite is None else [self._last_nonfinite])
+        return [*self._inner_variables(), *self._loss_scale.variables, *own]
+
+    def get_weights(self):
+        return [variable.numpy() for variable in self._all_variables()]
+
+    def set_weights(self, weights):
+        """Sets `variables` (.h5 files) unless the scale refuses its values."""
+        variables = self._all_variables()
+        if len(weights) != len(variables):
+            raise ValueError(f"LossScaleOptimizer has {len(variables)} "
+                             f"variables, got {len(weights)} values: build it "
+                             "first (optimizer.build(variables))")
+        first = len(self._inner_variables())
+        self._loss_scale.check_loadable(
+            weights[first:first + len(self._loss_scale.variables)])
+        for variable, value in zip(variables, weights):
+            variable.assign(value)
+
+    def save_own_variables(self, store):
+        """`.keras` files: the values of `variables`, under "0", "1", ..."""
+        for index, value in enumerate(self.get_weights()):
+            store[str(index)] = value
+
+    def load_own_variables(self, store):
+        """Restores `save_own_variables`; built unlike the saved one, nothing."""
+        count = len(self._all_variables())
+        if len(store.keys()) != count:
+            tf.get_logger().warning(
+                f"Skipping variable loading for optimizer '{self.name}': it "
+                f"has {count} variables, the saved one {len(store.keys())}. "
+                "Build it first.")
+            return
+        self.set_weights([store[str(i)] for i in range(count)])
+
+    def _serialize_inner(self):
+        return tf_keras.optimizers.serialize(self._optimizer)
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         """The wrapper of `config`, ours or tf-keras' wrapper's."""
-        inner, kwargs = optimizer_protocol.constructor_arguments(
+        inner, kwargs = checks.optimizer_config(
             config, custom_objects, (_NEW_BASE, _LEGACY_BASE))
         if not isinstance(inner, (_NEW_BASE, _LEGACY_BASE)):
             inner = tf_keras.optimizers.deserialize(
@@ -186,18 +208,15 @@ class LossScaleOptimizer(_TfKerasWrapper, _tf_keras_lso.LossScaleOptimizerV3):
     """Wraps a `tf_keras.optimizers.Optimizer`; see `_TfKerasWrapper`."""
 
     _INNER_BASE = _NEW_BASE
-
     # Automatic tracking would reach the inner optimizer before it is attached.
-    @private_api.no_automatic_dependency_tracking
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    __init__ = private_api.no_automatic_dependency_tracking(
+        _TfKerasWrapper.__init__)
 
     def _build_inner(self, var_list):
         self._optimizer.build(var_list)
 
     def _aggregate(self, pairs, skip_gradients_aggregation=False,
                    experimental_aggregate_gradients=True):
-        """The inner optimizer's aggregate of `pairs` across replicas."""
         if skip_gradients_aggregation or not experimental_aggregate_gradients:
             return pairs
         return list(self._optimizer.aggregate_gradients(pairs))
@@ -252,7 +271,6 @@ class LegacyLossScaleOptimizer(_TfKerasWrapper,
             experimental_aggregate_gradients=experimental_aggregate_gradients)
 
     def _aggregate(self, pairs, experimental_aggregate_gradients=True):
-        """The inner optimizer's aggregate of `pairs` across replicas."""
         if not experimental_aggregate_gradients:
             return pairs
         return list(private_api.tf_keras_aggregate_legacy(self._optimizer,
