@@ -15,28 +15,24 @@ from tf_lossscale.demo import training
 def define_flags(values=flags.FLAGS):
     """Registers the demo's flags in `values` (absl's `FlagValues`):
     `--config` and the options of `run`, checked as `run` checks them."""
-    flags.DEFINE_string(
-        "config", None, "path to a JSON training config; keys it leaves out "
-        "take their defaults (configs/demo.json lists them)",
-        flag_values=values)
-    flags.DEFINE_integer(
-        "steps", None, "optimizer steps to train, applied or skipped; "
-        "default: the config's", flag_values=values)
-    flags.DEFINE_integer(
-        "num_devices", 1, "replicas of a MirroredStrategy over logical CPU "
-        "devices; 1: no strategy", flag_values=values)
-    flags.DEFINE_integer(
-        "inject_nonfinite_every", 0, "put a NaN into every N-th batch, in the "
-        "last replica's part; 0: never", flag_values=values)
-    flags.DEFINE_string(
-        "logdir", None, "where to write TensorBoard event files; needs the "
-        "tensorboard extra", flag_values=values)
-    flags.DEFINE_string(
-        "plot", None, "where to write a PNG plot of the loss scale; needs the "
-        "plot extra", flag_values=values)
-    flags.DEFINE_bool(
-        "log_skips", False, "print skipped steps as they happen, rate-limited, "
-        "with the variables whose gradients overflowed", flag_values=values)
+    for define, name, default, help_text in (
+            (flags.DEFINE_string, "config", None, "path to a JSON training "
+             "config; keys it leaves out take their defaults "
+             "(configs/demo.json lists them)"),
+            (flags.DEFINE_integer, "steps", None, "optimizer steps to train, "
+             "applied or skipped; default: the config's"),
+            (flags.DEFINE_integer, "num_devices", 1, "replicas of a "
+             "MirroredStrategy over logical CPU devices; 1: no strategy"),
+            (flags.DEFINE_integer, "inject_nonfinite_every", 0, "put a NaN "
+             "into every N-th batch, in the last replica's part; 0: never"),
+            (flags.DEFINE_string, "logdir", None, "where to write TensorBoard "
+             "event files; needs the tensorboard extra"),
+            (flags.DEFINE_string, "plot", None, "where to write a PNG plot of "
+             "the loss scale; needs the plot extra"),
+            (flags.DEFINE_bool, "log_skips", False, "print skipped steps as "
+             "they happen, rate-limited, with the variables whose gradients "
+             "overflowed")):
+        define(name, default, help_text, flag_values=values)
     for name, (kind, usable) in config_lib.OPTIONS.items():
         flags.register_validator(name, usable, f"must be {kind}",
                                  flag_values=values)

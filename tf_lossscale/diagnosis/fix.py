@@ -40,13 +40,7 @@ def fixed_model(model, report, arguments, diagnose):
         if named <= keep:
             break
         keep |= named
-    _compile(fixed, model, checked.loss_scale, arguments["loss"])
-    return fixed
-
-
-def _compile(fixed, model, loss_scale, loss):
-    """Compiles `fixed` as `model` was compiled, with a new optimizer and
-    `loss_scale()`."""
+    # Compiled as `model` was, with a new optimizer and the new loss scale.
     inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
     settings = {key: value for key, value in model.get_compile_config().items()
                 if key not in ("optimizer", "loss")}
@@ -54,6 +48,8 @@ def _compile(fixed, model, loss_scale, loss):
     with model.distribute_strategy.scope():
         optimizer = loss_scale_optimizer.LossScaleOptimizer(
             type(inner).from_config(inner.get_config()),
-            loss_scale=loss_scale())
-        fixed.compile(optimizer=optimizer, loss=model.loss or loss,
+            loss_scale=checked.loss_scale())
+        fixed.compile(optimizer=optimizer,
+                      loss=model.loss or arguments["loss"],
                       **keras.saving.deserialize_keras_object(settings))
+    return fixed

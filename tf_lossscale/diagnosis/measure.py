@@ -52,16 +52,6 @@ def diagnose(model, data, steps=8, *, loss=None,
         for name, value in (("overflow_tolerance", overflow_tolerance),
                             ("underflow_tolerance", underflow_tolerance))}
     steps = checks.positive_int("steps", steps)
-    scales = _checked_scales(scales)
-    loss, loss_fn = _loss(model, loss)
-    batches = _batches(data, steps)
-    arguments.update(data=batches, steps=len(batches), loss=loss,
-                     scales=scales)
-    figures = passes.Passes(model, loss_fn).figures(batches, scales)
-    return report.Float16Diagnosis(figures, arguments, diagnose)
-
-
-def _checked_scales(scales):
     try:
         scales = [float(scale) for scale in scales]
     except (TypeError, ValueError) as err:
@@ -71,7 +61,12 @@ def _checked_scales(scales):
             b <= a for a, b in zip(scales, scales[1:])):
         raise ValueError("scales must be finite numbers > 0 in increasing "
                          f"order, got {checks.summary(scales)}")
-    return scales
+    loss, loss_fn = _loss(model, loss)
+    batches = _batches(data, steps)
+    arguments.update(data=batches, steps=len(batches), loss=loss,
+                     scales=scales)
+    figures = passes.Passes(model, loss_fn).figures(batches, scales)
+    return report.Float16Diagnosis(figures, arguments, diagnose)
 
 
 def _loss(model, loss):

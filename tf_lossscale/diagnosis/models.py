@@ -87,12 +87,6 @@ def probe(model):
         structure, tf.nest.flatten(probe_model(x, training=False)))
 
 
-def _is_float16_policy(value):
-    if isinstance(value, dict):
-        value = (value.get("config") or {}).get("name")
-    return isinstance(value, str) and value in _FLOAT16_POLICIES
-
-
 def float32_config(config, names=None):
     """A copy of a model config in which every float16 dtype policy (a
     layer's `dtype`: mixed_float16 or float16, a name or a serialized policy
@@ -107,8 +101,10 @@ def float32_config(config, names=None):
         return float32_config(config)
     config = {key: float32_config(value, names)
               for key, value in config.items()}
-    if names is None and _is_float16_policy(config.get("dtype")):
-        policy = config["dtype"]
+    policy = config.get("dtype")
+    name = ((policy.get("config") or {}).get("name")
+            if isinstance(policy, dict) else policy)
+    if names is None and isinstance(name, str) and name in _FLOAT16_POLICIES:
         config["dtype"] = "float32" if isinstance(policy, str) else dict(
             policy, config=dict(policy["config"], name="float32"))
     return config

@@ -173,9 +173,7 @@ class DynamicLossScale(loss_scale.LossScale):
     def update(self, grads):
         """`LossScale.update`. In a TF1 graph `should_apply_gradients` comes
         from `grads` alone; only `update_op` checks and moves the state."""
-        replicas.check_supported()
-        return replicas.call_in_cross_replica_context(
-            loss_scale.update_from_grads, self, grads)
+        return loss_scale.update_from_grads(self, grads)
 
     def _update_from_all_finite(self, all_finite, *, gated=True):
         """One step from the flag every replica agrees on (cross-replica).
@@ -190,13 +188,17 @@ class DynamicLossScale(loss_scale.LossScale):
         lock = (self._eager_lock if tf.executing_eagerly()
                 else contextlib.nullcontext())
         with lock:
-            return self._step(all_finite, gated)
+            # Here, not in `update`: optimizers compute the flag themselves.
+            replicas.check_same_strategy("This DynamicLossScale",
+                                         self._strategy)
+            return self._step(tf.convert_to_tensor(all_finite), gated)
 
     def _step(self, all_finite, gated):
-        # Here, not in `update`: optimizers compute the flag themselves.
-        replicas.check_same_strategy("This DynamicLossScale", self._strategy)
-        all_finite = tf.convert_to_tensor(all_finite)
-        state = self._read_state()
+        # Each variable is read once and every assignment uses those reads,
+        # so a TF1 graph cannot run one assignment before another's read.
+        state = dynamic_rule.DynamicState(*(
+            None if variable is None else tf.convert_to_tensor(variable)
+            for variable in self._state_variables_in_order()))
         if xla_record.in_xla_context():
             return self._xla_record.update(
                 state, all_finite,
@@ -204,7 +206,7 @@ class DynamicLossScale(loss_scale.LossScale):
                 lambda s, f: dynamic_rule.next_dynamic_state(s, f, self._rule),
                 self._assign_state)
         state_check = failure_policy.check_state(state, self._rule.hysteresis)
-        with tf.control_dependencies(_ops(state_check)):
+        with tf.control_dependencies(failure_policy.ops_of(state_check)):
             new_state, at_floor = dynamic_rule.next_dynamic_state(
                 state, all_finite, self._rule)
             assignments = self._assign_state(new_state)
@@ -221,20 +223,13 @@ class DynamicLossScale(loss_scale.LossScale):
         if not gated:
             return update_op, all_finite
         with tf.control_dependencies(
-                _ops(state_check) + assignments + failures):
+                failure_policy.ops_of(state_check) + assignments + failures):
             should_apply = tf.identity(all_finite)
         return update_op, should_apply
 
     def _state_variables_in_order(self):
         return (self._current_loss_scale, self._good_steps,
                 self._hysteresis_remaining, self._consecutive_skips)
-
-    def _read_state(self):
-        # Each variable is read once and every assignment uses those reads,
-        # so a TF1 graph cannot run one assignment before another's read.
-        return dynamic_rule.DynamicState(*(
-            None if variable is None else tf.convert_to_tensor(variable)
-            for variable in self._state_variables_in_order()))
 
     def _assign_state(self, new_state):
         assignments = [
@@ -258,9 +253,3 @@ class DynamicLossScale(loss_scale.LossScale):
                      f"good_steps={int(self._good_steps.numpy())!r}, ")
             return f"DynamicLossScale({state}{config})"
         return f"DynamicLossScale({config})"
-
-
-
-def _ops(op):
-    """[op] for an op or tensor, [] for None (eagerly, nothing to wait on)."""
-    return [] if op is None else [op]

@@ -1,20 +1,12 @@
 """What a `DynamicLossScale` refuses and how it fails: the state check, the
 failure policy, and their messages.
 
-The state check runs before a step moves the state: S finite and > 0,
-G >= 0, H in [0, hysteresis], C >= 0 (no upper bound on G or C: training may
-resume with another period or past a skip limit). A state outside them
-(a damaged file, a hand assignment) refuses the step, changes nothing and
-raises InvalidArgumentError naming every state variable and its value. A
-stored value an int64 variable cannot hold exactly (1.5, NaN, 1e30), or of
-the wrong kind or shape, is refused when a file is loaded, before any
-assignment (`check_loadable`).
-
-The failure policy runs after the state has moved: "warn" prints one line to
-stderr, "raise" fails the step, `max_consecutive_skips` fails it at that many
-skips in a row. Eagerly they raise or print at once; in graphs they are ops;
-under XLA the step records them and the host acts (`xla_record`,
-`xla_checks`) with the same messages.
+The state check runs before a step moves the state; a state outside its
+bounds (a damaged file, a hand assignment) refuses the step and changes
+nothing. A stored value an int64 variable cannot hold exactly is refused
+when a file is loaded (`check_loadable`). The failure policy runs after the
+state has moved. Eagerly they raise or print at once, in graphs they are
+ops; under XLA the host acts (`xla_record`, `xla_checks`).
 """
 
 import sys
@@ -63,15 +55,10 @@ def what_is_asked(policy, limit):
 # The state check.
 
 
-def _rules(hysteresis):
+def _invalid_state_prefix(names, hysteresis):
     rules = {"current_loss_scale": "finite and > 0", "good_steps": ">= 0",
              "hysteresis_remaining": f"in [0, {hysteresis}]",
              "consecutive_skips": ">= 0"}
-    return rules
-
-
-def _invalid_state_prefix(names, hysteresis):
-    rules = _rules(hysteresis)
     bounds = ", ".join(f"{name} {rules[name]}" for name in names)
     return ("tf_lossscale: DynamicLossScale holds a state that cannot be "
             "right (restored from a checkpoint or file, or assigned?): it "
@@ -102,11 +89,6 @@ def state_is_valid(state, hysteresis):
     return tf.reduce_all(tf.stack(checks))
 
 
-def _named(state):
-    return {name: value for name, value in zip(FIELDS, state)
-            if value is not None}
-
-
 def check_state(state, hysteresis):
     """Fails, changing nothing, unless `state` is within the bounds.
 
@@ -114,7 +96,8 @@ def check_state(state, hysteresis):
     assertion op. A few scalar ops per step and no formatting op.
     """
     valid = state_is_valid(state, hysteresis)
-    named = _named(state)
+    named = {name: value for name, value in zip(FIELDS, state)
+             if value is not None}
     if tf.executing_eagerly():
         if not bool(valid):
             raise tf.errors.InvalidArgumentError(
@@ -206,19 +189,20 @@ def apply_policy(new_state, at_floor, floor, policy, limit):
     scale, skips = new_state.scale, new_state.consecutive_skips
     ops = []
     if policy == "warn":
-        ops += _ops(_warn_if(at_floor, floor_template(floor, policy),
-                             (scale, skips)))
+        ops += ops_of(_warn_if(at_floor, floor_template(floor, policy),
+                               (scale, skips)))
     elif policy == "raise":
-        ops += _ops(_fail_if(at_floor, floor_template(floor, policy),
-                             (scale, skips)))
+        ops += ops_of(_fail_if(at_floor, floor_template(floor, policy),
+                               (scale, skips)))
     if limit is not None:
         with tf.control_dependencies(ops):
-            ops += _ops(_fail_if(skips >= limit, limit_template(limit),
-                                 (skips, scale)))
+            ops += ops_of(_fail_if(skips >= limit, limit_template(limit),
+                                   (skips, scale)))
     return ops
 
 
-def _ops(op):
+def ops_of(op):
+    """[op] for an op or tensor, [] for None (eagerly, nothing to wait on)."""
     return [] if op is None else [op]
 
 

@@ -26,6 +26,7 @@ import tensorflow as tf
 from tf_lossscale._internal import checks
 from tf_lossscale._internal import private_api
 from tf_lossscale.loss_scales import failure_policy
+from tf_lossscale.ops import finiteness
 from tf_lossscale.ops import replicas
 
 
@@ -35,17 +36,20 @@ def graph_op(op):
 
 
 def update_from_grads(loss_scale, grads):
-    """`update` of a built-in loss scale, in cross-replica context.
+    """`update` of a built-in loss scale: its flag and update are computed
+    in cross-replica context (through `merge_call` from a replica).
 
     In a TF1 graph `should_apply` is the bare flag, evaluable without the
     state variables, as with TensorFlow's reference; inside a `tf.function`
     it waits for the state check and the update, so a branch on it cannot
     apply a step that failed.
     """
+    replicas.check_supported()
     # pylint: disable=protected-access
-    return loss_scale._update_from_all_finite(
-        replicas.all_replicas_finite(grads),
-        gated=tf.compat.v1.executing_eagerly_outside_functions())
+    return replicas.call_in_cross_replica_context(
+        lambda grads: loss_scale._update_from_all_finite(
+            replicas.all_replicas_true(finiteness.all_finite, grads),
+            gated=tf.compat.v1.executing_eagerly_outside_functions()), grads)
 
 
 class LossScale(private_api.TensorLike, private_api.Trackable,
@@ -209,9 +213,7 @@ class FixedLossScale(LossScale):
     def update(self, grads):
         if not self._skip_non_finite:
             return graph_op(tf.no_op()), True
-        replicas.check_supported()
-        return replicas.call_in_cross_replica_context(
-            update_from_grads, self, grads)
+        return update_from_grads(self, grads)
 
     def _update_from_all_finite(self, all_finite, *, gated=True):
         """`update` given the all-replica finiteness flag (cross-replica);

@@ -68,7 +68,13 @@ def deserialize(config, custom_objects=None):
         raise TypeError(
             "config['class_name'] must be a string naming a LossScale class, "
             f"got {checks.summary(class_name)}")
-    classes = {**_BUILT_IN, **_checked_custom_objects(custom_objects)}
+    custom_objects = {} if custom_objects is None else custom_objects
+    if not isinstance(custom_objects, collections.abc.Mapping):
+        raise TypeError(
+            "custom_objects must be a dict mapping class names to LossScale "
+            f"subclasses, got {checks.summary(custom_objects)}")
+    classes = {**_BUILT_IN, **{key: value for key, value in
+                               custom_objects.items() if isinstance(key, str)}}
     if class_name not in classes:
         raise ValueError(
             f"Unknown loss scale class_name {checks.summary(class_name)}; "
@@ -88,18 +94,6 @@ def deserialize(config, custom_objects=None):
     if cls in _BUILT_IN.values():
         _check_argument_names(cls, arguments)
     return cls.from_config(arguments)
-
-
-def _checked_custom_objects(custom_objects):
-    """`custom_objects` as a dict with string keys ({} for None)."""
-    if custom_objects is None:
-        return {}
-    if not isinstance(custom_objects, collections.abc.Mapping):
-        raise TypeError(
-            "custom_objects must be a dict mapping class names to LossScale "
-            f"subclasses, got {checks.summary(custom_objects)}")
-    return {key: value for key, value in custom_objects.items()
-            if isinstance(key, str)}
 
 
 def _check_argument_names(cls, arguments):

@@ -16,14 +16,7 @@ import tensorflow as tf
 
 from tf_lossscale.loss_scales import failure_policy
 from tf_lossscale.loss_scales import xla_record
-
-
-def _on_host():
-    """Eager and outside any replica context: where the record may be read
-    and cleared."""
-    return tf.executing_eagerly() and (
-        not tf.distribute.has_strategy()
-        or tf.distribute.in_cross_replica_context())
+from tf_lossscale.ops import replicas
 
 
 def act(target):
@@ -38,13 +31,22 @@ def act(target):
         message it would have raised without XLA.
     """
     record = xla_record.record_of(target)
-    if record is None or not record.traced or not _on_host():
+    # Only eagerly and outside any replica context may it be read and cleared.
+    if (record is None or not record.traced or not tf.executing_eagerly()
+            or replicas.in_replica_context()):
         return
     recorded = record.take()
     if recorded is None:
         return
     if recorded.warnings:
-        _warn(record, recorded)
+        line = failure_policy.format_like_the_step(
+            failure_policy.floor_template(record.floor, "warn"),
+            ((recorded.warn_scale, tf.float32),
+             (recorded.warn_skips, tf.int64)))
+        if recorded.warnings > 1:
+            line += (f" (the last of {recorded.warnings} such steps since the "
+                     "host last checked)")
+        print(line, file=sys.stderr, flush=True)
     if recorded.code != xla_record.NONE:
         raise tf.errors.InvalidArgumentError(
             None, None, _failure_message(record, recorded))
@@ -62,24 +64,6 @@ def _failure_message(record, recorded):
             (scale, skips))
     return failure_policy.format_like_the_step(
         failure_policy.limit_template(record.limit), (skips, scale))
-
-
-def _warn(record, recorded):
-    line = failure_policy.format_like_the_step(
-        failure_policy.floor_template(record.floor, "warn"),
-        ((recorded.warn_scale, tf.float32), (recorded.warn_skips, tf.int64)))
-    if recorded.warnings > 1:
-        line += (f" (the last of {recorded.warnings} such steps since the "
-                 "host last checked)")
-    print(line, file=sys.stderr, flush=True)
-
-
-def needs_watch(target):
-    """Whether the loss scale of `target` (an optimizer or loss scale) asks
-    for failures or warnings, so that its XLA steps may only be traced
-    under a live `Watch`."""
-    record = xla_record.record_of(target)
-    return record is not None and record.needs_host
 
 
 class Watch:

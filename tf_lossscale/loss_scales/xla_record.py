@@ -1,18 +1,10 @@
 """The device side of the XLA checks: what a compiled step records.
 
-Under XLA nothing can fail or print (assertions are dropped, string
-formatting does not compile), so a `DynamicLossScale` writes what its state
-check and failure policy ask for into a small int64 variable, the record,
-and the host (`xla_checks`) acts on it later with the same error or warning.
-The record is made eagerly with the loss scale's state (never in TF1
-graphs) and is not state: never saved, not in `variables`.
-
-Once a step has failed or was refused, every later step changes nothing
-(`halted`) until the host has acted and cleared the record, so the weights
-are those of the last applied step when the error is raised. A loss scale
-whose policy asks for failures or warnings may only be traced under XLA
-while a watch (registered by the host side) is live; otherwise the trace
-raises a RuntimeError naming the fixes.
+Under XLA nothing can fail or print, so a `DynamicLossScale` writes what its
+state check and failure policy ask for into a small int64 variable (not
+state: never saved), and the host (`xla_checks`) acts on it later with the
+same error or warning. After a failed or refused step every later one is
+halted until the host has acted (docs/guides/xla.md).
 """
 
 import threading
@@ -53,10 +45,6 @@ def _bits(scale):
 
 def _scale_from_bits(bits):
     return float(np.array(bits).astype(np.int32).view(np.float32))
-
-
-def _zero():
-    return tf.zeros([], tf.int64)
 
 
 class StepRecord:
@@ -167,7 +155,7 @@ class StepRecord:
         """The record after this step (int64 vector)."""
         skips = new_state.consecutive_skips
         if skips is None:  # Only "continue" without a limit lacks C.
-            skips = _zero()
+            skips = tf.zeros([], tf.int64)
         code = self._failure_code(record[_CODE], proceed, at_floor, skips)
         # A refusal keeps the bad state; a new failure the values after the
         # step; an earlier failure its own values.
@@ -211,13 +199,10 @@ class StepRecord:
         if not values.any():
             return None
         self.variable.assign(tf.zeros([_SIZE], tf.int64))
-        state = dict(zip(failure_policy.FIELDS[:2],
-                         (_scale_from_bits(values[_SCALE]),
-                          int(values[_GOOD]))))
-        for name, index in (("hysteresis_remaining", _BUDGET),
-                            ("consecutive_skips", _SKIPS)):
-            if name in self.fields:
-                state[name] = int(values[index])
+        state = {name: int(value) for name, value in zip(
+            failure_policy.FIELDS, values[_SCALE:_SKIPS + 1])
+                 if name in self.fields}
+        state["current_loss_scale"] = _scale_from_bits(values[_SCALE])
         return Recorded(int(values[_CODE]), state, int(values[_WARNINGS]),
                         _scale_from_bits(values[_WARN_SCALE]),
                         int(values[_WARN_SKIPS]))
@@ -225,21 +210,16 @@ class StepRecord:
 
 def _values(state):
     """S's bits, G, H, C of a `DynamicState` (0 for an untracked one)."""
-    return tf.stack([
-        _bits(state.scale), tf.cast(state.good_steps, tf.int64),
-        *(_zero() if value is None else tf.cast(value, tf.int64)
-          for value in (state.hysteresis_remaining,
-                        state.consecutive_skips))])
+    return tf.stack([_bits(state.scale)] + [
+        tf.cast(0 if value is None else value, tf.int64)
+        for value in state[1:]])
 
 
 def record_of(target):
     """The `StepRecord` of a loss scale or of an optimizer's loss scale;
     None for loss scales that have none (fixed, user-defined)."""
-    record = getattr(target, "_xla_record", None)
-    if record is None:
-        record = getattr(getattr(target, "loss_scale", None), "_xla_record",
-                         None)
-    return record
+    return getattr(target, "_xla_record", None) or getattr(
+        getattr(target, "loss_scale", None), "_xla_record", None)
 
 
 def check_watched(loss_scale):
@@ -249,12 +229,3 @@ def check_watched(loss_scale):
     record = record_of(loss_scale)
     if record is not None and in_xla_context():
         record.check_watched()
-
-
-def halted(loss_scale):
-    """None unless `loss_scale` has just been updated under XLA; then the
-    bool tensor `StepRecord.halted`."""
-    record = record_of(loss_scale)
-    if record is None or not in_xla_context():
-        return None
-    return record.halted()

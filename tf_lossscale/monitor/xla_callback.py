@@ -10,6 +10,7 @@ import keras
 
 from tf_lossscale._internal import checks
 from tf_lossscale.loss_scales import xla_checks
+from tf_lossscale.loss_scales import xla_record
 from tf_lossscale.step import optimizer_protocol
 
 
@@ -85,7 +86,8 @@ class FitWatcher:
             self._watch.end()
         if act:
             xla_checks.act(optimizer)
-        if xla_checks.needs_watch(optimizer) and getattr(
+        record = xla_record.record_of(optimizer)
+        if record is not None and record.needs_host and getattr(
                 model, "jit_compile", False) is True:
             model.make_train_function(force=True)
         train_function = getattr(model, "train_function", None)

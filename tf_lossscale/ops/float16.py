@@ -10,6 +10,8 @@ import math
 
 import tensorflow as tf
 
+from tf_lossscale.ops import finiteness
+
 # Below the smallest normal value fewer significant bits remain (subnormal);
 # below half the smallest subnormal a value becomes 0.
 FLOAT16_MAX = 65504.0
@@ -27,9 +29,7 @@ def headroom_log2(largest):
 
 
 def _values(tensor):
-    if isinstance(tensor, tf.IndexedSlices):
-        tensor = tensor.values
-    return tf.convert_to_tensor(tensor)
+    return tf.convert_to_tensor(finiteness.dense_values(tensor))
 
 
 def _present(tensors):

@@ -12,8 +12,6 @@ mirrored, and parameter-server workers apply updates asynchronously.
 
 import tensorflow as tf
 
-from tf_lossscale.ops import finiteness
-
 _UNSUPPORTED_STRATEGIES = (
     tf.distribute.experimental.ParameterServerStrategy,
     tf.distribute.experimental.CentralStorageStrategy,
@@ -147,11 +145,3 @@ def any_replica_true(flags_fn, *args):
         return flags_fn(*args)
     return _replica_sum(strategy, flags_fn, args) > 0
 
-
-def all_replicas_finite(grads):
-    """Returns a scalar bool tensor: True iff no replica has a non-finite grad.
-
-    Must be called in cross-replica context (or without a strategy). `grads`
-    may hold per-replica values, which each replica checks on its own device.
-    """
-    return all_replicas_true(finiteness.all_finite, grads)

@@ -16,6 +16,7 @@ until the host has acted (`loss_scales.xla_checks`).
 """
 
 import contextlib
+import functools
 from typing import Callable, NamedTuple
 
 import tensorflow as tf
@@ -89,29 +90,24 @@ class SkipRecord:
         """Cross-replica context: records one skipped step."""
         # Keras variables' assign methods take no `read_value`.
         ops = [self.skipped_steps.assign_add(1)]
-        if self.nonfinite_flags is not None:
-            flags = _any_replica_nonfinite(
-                grads, self.positions(variables),
-                self.nonfinite_flags.shape[0])
-            ops.append(self.nonfinite_flags.assign(tf.cast(flags, tf.int32)))
-        return ops
+        if self.nonfinite_flags is None:
+            return ops
+        positions = self.positions(variables)
+        size = self.nonfinite_flags.shape[0]
 
+        def local_flags(local_grads):
+            # True at positions[i] when gradient i is not finite.
+            flags = finiteness.nonfinite_flags(list(local_grads))
+            if list(positions) == list(range(size)):
+                return flags
+            if not positions:
+                return tf.zeros([size], tf.bool)
+            return tf.tensor_scatter_nd_max(
+                tf.zeros([size], tf.int32), [[p] for p in positions],
+                tf.cast(flags, tf.int32)) > 0
 
-def _any_replica_nonfinite(grads, positions, size):
-    """A bool vector of length `size`: True at `positions[i]` when gradient
-    i is not finite on any replica; False elsewhere."""
-
-    def local_flags(local_grads):
-        flags = finiteness.nonfinite_flags(list(local_grads))
-        if list(positions) == list(range(size)):
-            return flags
-        if not positions:
-            return tf.zeros([size], tf.bool)
-        return tf.tensor_scatter_nd_max(
-            tf.zeros([size], tf.int32), [[p] for p in positions],
-            tf.cast(flags, tf.int32)) > 0
-
-    return replicas.any_replica_true(local_flags, grads)
+        flags = replicas.any_replica_true(local_flags, grads)
+        return ops + [self.nonfinite_flags.assign(tf.cast(flags, tf.int32))]
 
 
 @contextlib.contextmanager
@@ -134,11 +130,10 @@ def building_outside_traces():
         yield
 
 
-def check_traceable(loss_scale):
-    """Call first in an apply, before anything is built: under XLA, a loss
-    scale whose failures need a watcher and has none fails the trace here
-    (`tf_lossscale.loss_scales.xla_record`), before variables are created in it."""
-    xla_record.check_watched(loss_scale)
+# Call first in an apply, before anything is built: under XLA, a loss scale
+# whose failures need a watcher and has none fails the trace here, before
+# variables are created in it.
+check_traceable = xla_record.check_watched
 
 
 def update_loss_scale(loss_scale, grads, parts=None):
@@ -188,17 +183,13 @@ def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record,
     """
     # Only the data crosses `merge_call`: anything passed through it comes
     # back regrouped per replica, callables included.
-    def cross_replica_step(grads, variables):
-        return _apply_or_skip_cross_replica(
-            loss_scale, grads, variables, apply_fn, skip_record, stats,
-            parts)
-
     return replicas.call_in_cross_replica_context(
-        cross_replica_step, grads, variables)
+        functools.partial(_cross_replica_step, loss_scale, apply_fn,
+                          skip_record, stats, parts), grads, variables)
 
 
-def _apply_or_skip_cross_replica(loss_scale, grads, variables, apply_fn,
-                                 skip_record, stats=None, parts=None):
+def _cross_replica_step(loss_scale, apply_fn, skip_record, stats, parts,
+                        grads, variables):
     # Before the update, which waits for them: the statistics are of the
     # scale the step ran with.
     stats_op = None if stats is None else stats.write(grads, loss_scale)
@@ -220,9 +211,9 @@ def _apply_or_skip_cross_replica(loss_scale, grads, variables, apply_fn,
     # Under XLA a step that failed (or was refused) changes nothing more, as
     # the error would have stopped it without XLA; the host raises after the
     # call, or later (tf_lossscale.loss_scales.xla_checks).
-    halted = xla_record.halted(loss_scale)
-    if halted is not None:
-        record_skip = skip
+    record = xla_record.record_of(loss_scale)
+    if record is not None and xla_record.in_xla_context():
+        halted, record_skip = record.halted(), skip
         skip = lambda: tf.cond(halted, lambda: _done([]), record_skip)  # pylint: disable=unnecessary-lambda-assignment
 
     if isinstance(should_apply, bool):
