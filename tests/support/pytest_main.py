@@ -62,8 +62,9 @@ def pytest_args(argv, environ):
     if len(argv) < 2:
         raise SystemExit("usage: %s TEST_FILE [PYTEST_OPTION...]" % argv[0])
     args = list(argv[1:])
-    # The runfiles tree is not the place for pytest's cache.
-    args += ["-p", "no:cacheprovider"]
+    # The runfiles tree is not the place for pytest's cache. Bazel runs the
+    # targets side by side already: one process each, not pytest.ini's xdist.
+    args += ["-p", "no:cacheprovider", "-n", "0"]
     xml_output = environ.get("XML_OUTPUT_FILE")
     if xml_output:
         args.append("--junitxml=" + xml_output)
