@@ -19,8 +19,8 @@ import keras  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
-from tests.support import multi_worker_job  # pylint: disable=g-import-not-at-top
-from tests.support import subprocesses  # pylint: disable=g-import-not-at-top
+from tests.scripts import multi_worker_job  # pylint: disable=g-import-not-at-top
+from tests.helpers import subprocesses  # pylint: disable=g-import-not-at-top
 
 NUM_LOGICAL_CPUS = 4
 
@@ -59,7 +59,7 @@ def tf_keras_interpreter():
 def multi_worker_results(request, tmp_path_factory):
     """{scenario: both workers' answers} of one MultiWorkerMirroredStrategy
     job on two local processes running the scenarios of every collected test
-    marked `multi_worker(scenario)` (`tests/support/multi_worker_job.py`)."""
+    marked `multi_worker(scenario)` (`tests/scripts/multi_worker_job.py`)."""
     scenarios = sorted({marker.args[0] for item in request.session.items
                         for marker in item.iter_markers("multi_worker")})
     return multi_worker_job.run(scenarios,

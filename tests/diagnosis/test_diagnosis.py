@@ -1,13 +1,13 @@
 """`tf_lossscale.diagnose`: why a float16 run fails, measured.
 
-On models built to fail in known ways (`tests/support/float16_models.py`)
+On models built to fail in known ways (`tests/helpers/float16_models.py`)
 the report names the cause: the layer whose outputs overflow float16, the
 variables whose gradients underflow at scale 1 and a higher scale that fixes
 them. Its figures are checked against the same quantities computed here, and
 on the demo its advised range is checked against the scale the dynamic rule
 settles at, found by running the rule. The model is left bit-identical; under
 MirroredStrategy each replica's figures are combined into the figures of
-the whole batch. tf-keras: `tests/support/tf_keras_float16_diagnosis.py`,
+the whole batch. tf-keras: `tests/scripts/tf_keras_float16_diagnosis.py`,
 run in a `TF_USE_LEGACY_KERAS=1` subprocess.
 """
 
@@ -23,9 +23,9 @@ import tensorflow as tf
 import tf_lossscale
 from tf_lossscale import demo
 
-from tests.support import float16_models  # pylint: disable=g-bad-import-order
-from tests.support import strategies  # pylint: disable=g-bad-import-order
-from tests.support import subprocesses
+from tests.helpers import float16_models  # pylint: disable=g-bad-import-order
+from tests.helpers import training  # pylint: disable=g-bad-import-order
+from tests.helpers import subprocesses
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
 
@@ -295,7 +295,7 @@ def test_diagnose_changes_nothing_in_the_model(global_policy):
 def mirrored_reports():
     """The underflowing model on 2 replicas and on none, same weights; the
     replicas' halves of each batch differ."""
-    with strategies.mirrored(2).scope():
+    with training.mirrored(2).scope():
         distributed = float16_models.underflowing_model(keras)
     single = float16_models.underflowing_model(keras)
     data = float16_models.underflowing_data()
@@ -342,7 +342,7 @@ def test_variable_figures_under_mirrored_combine_every_replicas_gradients(
 
 
 def test_a_batch_that_does_not_split_over_the_replicas_is_refused():
-    with strategies.mirrored(2).scope():
+    with training.mirrored(2).scope():
         model = float16_models.underflowing_model(keras)
     x = float16_models.inputs()[:15]
 

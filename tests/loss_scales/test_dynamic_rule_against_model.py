@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import dynamic_rule_model as model_lib
-from tests.support import reference_oracle as oracle
+from tests.helpers import dynamic_rule_model as model_lib
+from tests.helpers import reference_oracle as oracle
 import tf_lossscale
 
 SEED = 20_240_909

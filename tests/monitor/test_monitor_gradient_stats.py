@@ -26,9 +26,8 @@ import tensorflow as tf
 import tf_lossscale
 from tf_lossscale.monitor import gradient_stats as step_gradient_stats
 
-from tests.support import data  # pylint: disable=g-bad-import-order
-from tests.support import monitor_models  # pylint: disable=g-bad-import-order
-from tests.support import strategies  # pylint: disable=g-bad-import-order
+from tests.helpers import training  # pylint: disable=g-bad-import-order
+from tests.helpers import models  # pylint: disable=g-bad-import-order
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
 
@@ -92,13 +91,13 @@ _RUNS = {"one_device": (1, False), "xla": (1, True), "mirrored_2": (2, False)}
 @pytest.fixture(scope="module", params=_RUNS)
 def stats_run(request, tmp_path_factory):
     replicas, jit_compile = _RUNS[request.param]
-    strategy = strategies.mirrored(replicas) if replicas > 1 else None
+    strategy = training.mirrored(replicas) if replicas > 1 else None
     with strategy.scope() if strategy else contextlib.nullcontext():
         # At 2**16 some steps' gradients go beyond float16's range (and
         # skip, halving the scale), others fit.
-        model = monitor_models.mixed_float16_model(
+        model = models.mixed_float16_model(
             _INITIAL_SCALE, jit_compile=jit_compile)
-    x, y = data.summed_data(_BATCH, _STEPS)
+    x, y = training.summed_data(_BATCH, _STEPS)
     expect = _Expect(x, y, replicas, jit_compile)
     tmp = tmp_path_factory.mktemp(request.param)
     history = model.fit(
@@ -143,8 +142,8 @@ def test_the_option_is_off_again_after_fit(stats_run):
 
 def test_underflow_share_counts_values_below_float16_normals():
     # A scale of 2**-20 pushes nearly every gradient value below 2**-14.
-    model = monitor_models.mixed_float16_model(2.0**-20)
-    x, y = data.summed_data(_BATCH)
+    model = models.mixed_float16_model(2.0**-20)
+    x, y = training.summed_data(_BATCH)
     expect = _Expect(x, y, 1)
 
     model.fit(x, y, batch_size=_BATCH, epochs=1, shuffle=False, verbose=0,
@@ -156,8 +155,8 @@ def test_underflow_share_counts_values_below_float16_normals():
 
 
 def test_a_step_traced_before_the_monitor_is_traced_again_with_it():
-    model = monitor_models.mixed_float16_model(_INITIAL_SCALE)
-    x, y = data.summed_data(_BATCH, _STEPS)
+    model = models.mixed_float16_model(_INITIAL_SCALE)
+    x, y = training.summed_data(_BATCH, _STEPS)
     model.fit(x, y, batch_size=_BATCH, epochs=1, shuffle=False, verbose=0)
     expect = _Expect(x, y, 1)
 
@@ -174,8 +173,8 @@ class _KeepStats(keras.callbacks.Callback):
 
 
 def test_steps_after_the_monitors_fit_record_nothing():
-    model = monitor_models.mixed_float16_model(_INITIAL_SCALE)
-    x, y = data.summed_data(_BATCH, _STEPS)
+    model = models.mixed_float16_model(_INITIAL_SCALE)
+    x, y = training.summed_data(_BATCH, _STEPS)
     keep = _KeepStats()
     model.fit(x, y, batch_size=_BATCH, epochs=1, shuffle=False, verbose=0,
               callbacks=[tf_lossscale.LossScaleMonitor(gradient_stats=True),
@@ -231,8 +230,8 @@ def _traced_step(model, x, y):
 
 
 def test_a_step_traced_without_the_option_has_none_of_its_ops():
-    model = monitor_models.mixed_float16_model(_INITIAL_SCALE)
-    x, y = data.summed_data(_BATCH)
+    model = models.mixed_float16_model(_INITIAL_SCALE)
+    x, y = training.summed_data(_BATCH)
     model.optimizer.build(model.trainable_variables)
     off = _traced_step(model, x, y)
     stats = step_gradient_stats.attach(model.optimizer,

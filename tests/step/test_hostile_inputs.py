@@ -35,9 +35,9 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from tests.support import hostile_values
-from tests.support import subprocesses
-from tests.support.hostile_values import MESSAGE_BOUND
+from tests.helpers import hostile_values
+from tests.helpers import subprocesses
+from tests.helpers.hostile_values import MESSAGE_BOUND
 import tf_lossscale
 from tf_lossscale._internal import checks
 from tf_lossscale.compat.v1 import MixedPrecisionLossScaleOptimizer

@@ -20,9 +20,9 @@ import re
 
 import pytest
 
-from tests.support import paths
+from tests import helpers
 
-_DOCS = paths.ROOT / "docs"
+_DOCS = helpers.ROOT / "docs"
 _PAGES = sorted(_DOCS.rglob("*.md"))
 
 

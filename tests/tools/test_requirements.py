@@ -32,11 +32,11 @@ import warnings
 import pytest
 import tensorflow as tf
 
-from tests.support import paths
+from tests import helpers
 import tf_lossscale
 from tf_lossscale._internal import versions
 
-_ROOT = paths.ROOT
+_ROOT = helpers.ROOT
 _README = (_ROOT / "README.md").read_text()
 _PACKAGE_ROOT = str(pathlib.Path(tf_lossscale.__file__).parent.parent)
 
