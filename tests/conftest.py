@@ -7,8 +7,9 @@ CPU:0. Tests needing a fresh process (multi-worker) start their own.
 
 Keras test files opt into `keras_isolation` with
 `pytestmark = pytest.mark.usefixtures("keras_isolation")`; tests that need
-`tf.keras` to be tf-keras ask for `tf_keras_interpreter`; multi-worker tests
-for `multi_worker_results`, marked with the scenario they read.
+`tf.keras` to be tf-keras ask for `tf_keras_interpreter` (one xdist worker
+runs them all); multi-worker tests for `multi_worker_results`, marked with
+the scenario they read and the xdist group "multi_worker".
 """
 
 import os
@@ -44,6 +45,15 @@ def keras_isolation(_clear_keras_session_after_module):
     policy = keras.mixed_precision.global_policy()
     yield
     keras.mixed_precision.set_global_policy(policy)
+
+
+@pytest.hookimpl(tryfirst=True)  # Before xdist reads the groups.
+def pytest_collection_modifyitems(items):
+    # With pytest.ini's xdist, one worker runs every test of the session's
+    # tf-keras process (one more TensorFlow import saved).
+    for item in items:
+        if "tf_keras_interpreter" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("tf_keras_interpreter"))
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,9 @@ import tf_lossscale
 from tests.helpers import float16_models  # pylint: disable=g-bad-import-order
 from tests.helpers import training  # pylint: disable=g-bad-import-order
 
-pytestmark = pytest.mark.usefixtures("keras_isolation")
+# One xdist worker runs the file: its module fixtures run once.
+pytestmark = [pytest.mark.usefixtures("keras_isolation"),
+              pytest.mark.xdist_group("fix_reports")]
 
 _SCALES = [2.0**k for k in range(0, 33, 2)]
 

@@ -21,7 +21,9 @@ from tf_lossscale.monitor import callback as monitor
 from tests.helpers import training  # pylint: disable=g-bad-import-order
 from tests.helpers import models  # pylint: disable=g-bad-import-order
 
-pytestmark = pytest.mark.usefixtures("keras_isolation")
+# One xdist worker runs the file: its module fixtures run once.
+pytestmark = [pytest.mark.usefixtures("keras_isolation"),
+              pytest.mark.xdist_group("monitor_fit_runs")]
 
 _INITIAL_SCALE = 2.0**30
 _KERAS_SERIES = tuple(int(part) for part in keras.__version__.split(".")[:2])

@@ -29,7 +29,9 @@ from tests import helpers
 from tests.helpers.models import tiny_model
 from tf_lossscale import LossScaleOptimizer
 
-pytestmark = pytest.mark.usefixtures("keras_isolation")
+# One xdist worker runs the file, so each saved run is made once.
+pytestmark = [pytest.mark.usefixtures("keras_isolation"),
+              pytest.mark.xdist_group("restore_across_wrapping")]
 
 _FIXTURES = helpers.FIXTURES
 

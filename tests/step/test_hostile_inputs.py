@@ -223,6 +223,7 @@ _TF_KERAS_CASES = {"optimizer": _OPTIMIZER_CASES, "legacy": _OPTIMIZER_CASES,
                    "monitor": hostile_values.MONITOR}
 
 
+@pytest.mark.xdist_group("hostile_tf_keras_worker")  # One worker process.
 @pytest.mark.parametrize("kind", sorted(_TF_KERAS_CASES))
 def test_tf_keras_optimizer_and_monitor_refuse(tf_keras_results, kind):
     cases = {hostile_values.case_id(case): case
