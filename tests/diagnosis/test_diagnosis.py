@@ -27,7 +27,9 @@ from tests.helpers import float16_models  # pylint: disable=g-bad-import-order
 from tests.helpers import training  # pylint: disable=g-bad-import-order
 from tests.helpers import subprocesses
 
-pytestmark = pytest.mark.usefixtures("keras_isolation")
+# One xdist worker runs the file: its module fixtures run once.
+pytestmark = [pytest.mark.usefixtures("keras_isolation"),
+              pytest.mark.xdist_group("diagnosis_reports")]
 
 # Fewer scales than the default where a test needs no more: CI time.
 _SCALES = [2.0**k for k in range(0, 33, 2)]
@@ -142,21 +144,26 @@ def test_report_names_the_underflowing_variables_and_a_higher_scale(
     assert any(line.startswith(between) for line in report.advice())
 
 
-def _float16_and_float32_grads(model, twin, x, y, scale):
-    grads = []
-    for network, factor in ((model, scale), (twin, 1.0)):
+def _scaled_grads(network):
+    """`(x, y, scale) -> gradients` of the scaled loss, traced as `diagnose`
+    traces its passes: graph rewrites may round otherwise than eager ops."""
+
+    @tf.function
+    def grads(x, y, scale):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(keras.losses.mean_squared_error(
                 y, tf.cast(network(x, training=False), tf.float32)))
-            scaled = loss * factor
-        grads.append([np.asarray(g) for g in tape.gradient(
-            scaled, network.trainable_variables)])
-    return grads
+            scaled = loss * scale
+        return tape.gradient(scaled, network.trainable_variables)
+
+    return lambda x, y, scale: [np.asarray(g) for g in grads(
+        x, y, tf.constant(scale, tf.float32))]
 
 
 def test_underflow_shares_are_counted_against_a_float32_model(underflowing):
     model, data, report = underflowing
     twin = float16_models.float32_copy(keras, model)
+    model_grads, twin_grads = _scaled_grads(model), _scaled_grads(twin)
     scales = report.as_dict()["scales"]
     rows = report.as_dict()["variables"]
 
@@ -165,8 +172,7 @@ def test_underflow_shares_are_counted_against_a_float32_model(underflowing):
         nonzero = np.zeros(len(rows))
         largest = np.zeros(len(rows))
         for x, y in data:
-            float16, float32 = _float16_and_float32_grads(
-                model, twin, x, y, scale)
+            float16, float32 = model_grads(x, y, scale), twin_grads(x, y, 1.0)
             for i, (g16, g32) in enumerate(zip(float16, float32)):
                 lost[i] += np.sum((np.abs(g16) < 2.0**-14) & (g32 != 0))
                 nonzero[i] += np.sum(g32 != 0)
@@ -186,16 +192,22 @@ def test_advised_top_is_where_the_float16_backward_pass_overflows(
     overflow = report.as_dict()["overflow_batches"]
     scales = report.as_dict()["scales"]
 
+    probe = keras.Model(model.inputs, [model.get_layer("hidden").output,
+                                       model.output])
+
+    @tf.function  # As `diagnose` traces its float16 pass.
+    def grads(x, y, scale):
+        with tf.GradientTape() as tape:
+            outputs = probe(x)
+            loss = tf.reduce_mean(keras.losses.mean_squared_error(
+                y, tf.cast(outputs[1], tf.float32))) * scale
+        return tape.gradient(loss, [outputs[0]] + list(
+            model.trainable_variables))
+
     def overflows(scale):
         for x, y in data:
-            with tf.GradientTape() as tape:
-                outputs = keras.Model(model.inputs, [
-                    model.get_layer("hidden").output, model.output])(x)
-                loss = tf.reduce_mean(keras.losses.mean_squared_error(
-                    y, tf.cast(outputs[1], tf.float32))) * scale
-            grads = tape.gradient(loss, [outputs[0]] + list(
-                model.trainable_variables))
-            if not all(np.isfinite(g).all() for g in grads):
+            if not all(np.isfinite(g).all() for g in grads(
+                    x, y, tf.constant(scale, tf.float32))):
                 return True
         return False
 

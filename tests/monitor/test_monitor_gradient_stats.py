@@ -29,7 +29,9 @@ from tf_lossscale.monitor import gradient_stats as step_gradient_stats
 from tests.helpers import training  # pylint: disable=g-bad-import-order
 from tests.helpers import models  # pylint: disable=g-bad-import-order
 
-pytestmark = pytest.mark.usefixtures("keras_isolation")
+# One xdist worker runs the file: its module fixtures run once.
+pytestmark = [pytest.mark.usefixtures("keras_isolation"),
+              pytest.mark.xdist_group("monitor_gradient_stats_runs")]
 
 _BATCH = 8
 _INITIAL_SCALE = 2.0**16
@@ -39,9 +41,11 @@ _STEPS = 6
 def _expected(model, x, y, replicas, jit_compile=False):
     """(share, headroom) of the step `fit` is about to run on `(x, y)`.
 
-    Under XLA the gradients are computed under XLA too: XLA may drop a
-    float16 rounding between float32 ops (TF 2.16 does, so a gradient that
-    overflows float16 elsewhere stays finite there).
+    The gradients are computed the way `fit` computes them: in a
+    `tf.function` (graph rewrites fuse kernels, which may round otherwise
+    than eager ops on some CPUs), under XLA where `fit` uses XLA (which may
+    drop a float16 rounding between float32 ops: TF 2.16 does, so a
+    gradient that overflows float16 elsewhere stays finite there).
     """
     scale = float(model.optimizer.loss_scale())
     half = model.get_layer("half").trainable_weights
@@ -53,8 +57,7 @@ def _expected(model, x, y, replicas, jit_compile=False):
             scaled = loss * (1.0 / replicas) * scale
         return tape.gradient(scaled, half)
 
-    if jit_compile:
-        grads = tf.function(grads, jit_compile=True)
+    grads = tf.function(grads, jit_compile=jit_compile)
     values = []
     for part_x, part_y in zip(np.split(x, replicas), np.split(y, replicas)):
         values += [np.ravel(g) for g in grads(part_x, part_y)]
