@@ -76,9 +76,10 @@ setuptools.setup(
         # The suite also runs the demo's --plot and --logdir, and the tf-keras
         # wrapper. It brings the full `tensorflow` distribution, the one
         # tf-keras depends on: run it in an environment of its own rather
-        # than over a tensorflow-cpu.
+        # than over a tensorflow-cpu. pytest-xdist: pytest.ini runs the suite
+        # on a process per core.
         "test": _TENSORFLOW_EXTRAS["tensorflow"] + [
-            "pytest", "absl-py", "matplotlib", "tensorboard" + _TF,
+            "pytest", "pytest-xdist", "absl-py", "matplotlib", "tensorboard" + _TF,
             _TF_KERAS],
         # The documentation site: `mkdocs build --strict` (.ci/docs). Reads
         # the source with griffe; needs no TensorFlow.

@@ -7,8 +7,9 @@ CPU:0. Tests needing a fresh process (multi-worker) start their own.
 
 Keras test files opt into `keras_isolation` with
 `pytestmark = pytest.mark.usefixtures("keras_isolation")`; tests that need
-`tf.keras` to be tf-keras ask for `tf_keras_interpreter`; multi-worker tests
-for `multi_worker_results`, marked with the scenario they read.
+`tf.keras` to be tf-keras ask for `tf_keras_interpreter` (one xdist worker
+runs them all); multi-worker tests for `multi_worker_results`, marked with
+the scenario they read and the xdist group "multi_worker".
 """
 
 import os
@@ -19,8 +20,8 @@ import keras  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
-from tests.support import multi_worker_job  # pylint: disable=g-import-not-at-top
-from tests.support import subprocesses  # pylint: disable=g-import-not-at-top
+from tests.scripts import multi_worker_job  # pylint: disable=g-import-not-at-top
+from tests.helpers import subprocesses  # pylint: disable=g-import-not-at-top
 
 NUM_LOGICAL_CPUS = 4
 
@@ -46,6 +47,15 @@ def keras_isolation(_clear_keras_session_after_module):
     keras.mixed_precision.set_global_policy(policy)
 
 
+@pytest.hookimpl(tryfirst=True)  # Before xdist reads the groups.
+def pytest_collection_modifyitems(items):
+    # With pytest.ini's xdist, one worker runs every test of the session's
+    # tf-keras process (one more TensorFlow import saved).
+    for item in items:
+        if "tf_keras_interpreter" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("tf_keras_interpreter"))
+
+
 @pytest.fixture(scope="session")
 def tf_keras_interpreter():
     """One process for the session where `tf.keras` is tf-keras
@@ -59,7 +69,7 @@ def tf_keras_interpreter():
 def multi_worker_results(request, tmp_path_factory):
     """{scenario: both workers' answers} of one MultiWorkerMirroredStrategy
     job on two local processes running the scenarios of every collected test
-    marked `multi_worker(scenario)` (`tests/support/multi_worker_job.py`)."""
+    marked `multi_worker(scenario)` (`tests/scripts/multi_worker_job.py`)."""
     scenarios = sorted({marker.args[0] for item in request.session.items
                         for marker in item.iter_markers("multi_worker")})
     return multi_worker_job.run(scenarios,

@@ -1,13 +1,13 @@
 """`tf_lossscale.diagnose`: why a float16 run fails, measured.
 
-On models built to fail in known ways (`tests/support/float16_models.py`)
+On models built to fail in known ways (`tests/helpers/float16_models.py`)
 the report names the cause: the layer whose outputs overflow float16, the
 variables whose gradients underflow at scale 1 and a higher scale that fixes
 them. Its figures are checked against the same quantities computed here, and
 on the demo its advised range is checked against the scale the dynamic rule
 settles at, found by running the rule. The model is left bit-identical; under
 MirroredStrategy each replica's figures are combined into the figures of
-the whole batch. tf-keras: `tests/support/tf_keras_float16_diagnosis.py`,
+the whole batch. tf-keras: `tests/scripts/tf_keras_float16_diagnosis.py`,
 run in a `TF_USE_LEGACY_KERAS=1` subprocess.
 """
 
@@ -23,11 +23,13 @@ import tensorflow as tf
 import tf_lossscale
 from tf_lossscale import demo
 
-from tests.support import float16_models  # pylint: disable=g-bad-import-order
-from tests.support import strategies  # pylint: disable=g-bad-import-order
-from tests.support import subprocesses
+from tests.helpers import float16_models  # pylint: disable=g-bad-import-order
+from tests.helpers import training  # pylint: disable=g-bad-import-order
+from tests.helpers import subprocesses
 
-pytestmark = pytest.mark.usefixtures("keras_isolation")
+# One xdist worker runs the file: its module fixtures run once.
+pytestmark = [pytest.mark.usefixtures("keras_isolation"),
+              pytest.mark.xdist_group("diagnosis_reports")]
 
 # Fewer scales than the default where a test needs no more: CI time.
 _SCALES = [2.0**k for k in range(0, 33, 2)]
@@ -142,21 +144,26 @@ def test_report_names_the_underflowing_variables_and_a_higher_scale(
     assert any(line.startswith(between) for line in report.advice())
 
 
-def _float16_and_float32_grads(model, twin, x, y, scale):
-    grads = []
-    for network, factor in ((model, scale), (twin, 1.0)):
+def _scaled_grads(network):
+    """`(x, y, scale) -> gradients` of the scaled loss, traced as `diagnose`
+    traces its passes: graph rewrites may round otherwise than eager ops."""
+
+    @tf.function
+    def grads(x, y, scale):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(keras.losses.mean_squared_error(
                 y, tf.cast(network(x, training=False), tf.float32)))
-            scaled = loss * factor
-        grads.append([np.asarray(g) for g in tape.gradient(
-            scaled, network.trainable_variables)])
-    return grads
+            scaled = loss * scale
+        return tape.gradient(scaled, network.trainable_variables)
+
+    return lambda x, y, scale: [np.asarray(g) for g in grads(
+        x, y, tf.constant(scale, tf.float32))]
 
 
 def test_underflow_shares_are_counted_against_a_float32_model(underflowing):
     model, data, report = underflowing
     twin = float16_models.float32_copy(keras, model)
+    model_grads, twin_grads = _scaled_grads(model), _scaled_grads(twin)
     scales = report.as_dict()["scales"]
     rows = report.as_dict()["variables"]
 
@@ -165,8 +172,7 @@ def test_underflow_shares_are_counted_against_a_float32_model(underflowing):
         nonzero = np.zeros(len(rows))
         largest = np.zeros(len(rows))
         for x, y in data:
-            float16, float32 = _float16_and_float32_grads(
-                model, twin, x, y, scale)
+            float16, float32 = model_grads(x, y, scale), twin_grads(x, y, 1.0)
             for i, (g16, g32) in enumerate(zip(float16, float32)):
                 lost[i] += np.sum((np.abs(g16) < 2.0**-14) & (g32 != 0))
                 nonzero[i] += np.sum(g32 != 0)
@@ -186,16 +192,22 @@ def test_advised_top_is_where_the_float16_backward_pass_overflows(
     overflow = report.as_dict()["overflow_batches"]
     scales = report.as_dict()["scales"]
 
+    probe = keras.Model(model.inputs, [model.get_layer("hidden").output,
+                                       model.output])
+
+    @tf.function  # As `diagnose` traces its float16 pass.
+    def grads(x, y, scale):
+        with tf.GradientTape() as tape:
+            outputs = probe(x)
+            loss = tf.reduce_mean(keras.losses.mean_squared_error(
+                y, tf.cast(outputs[1], tf.float32))) * scale
+        return tape.gradient(loss, [outputs[0]] + list(
+            model.trainable_variables))
+
     def overflows(scale):
         for x, y in data:
-            with tf.GradientTape() as tape:
-                outputs = keras.Model(model.inputs, [
-                    model.get_layer("hidden").output, model.output])(x)
-                loss = tf.reduce_mean(keras.losses.mean_squared_error(
-                    y, tf.cast(outputs[1], tf.float32))) * scale
-            grads = tape.gradient(loss, [outputs[0]] + list(
-                model.trainable_variables))
-            if not all(np.isfinite(g).all() for g in grads):
+            if not all(np.isfinite(g).all() for g in grads(
+                    x, y, tf.constant(scale, tf.float32))):
                 return True
         return False
 
@@ -295,7 +307,7 @@ def test_diagnose_changes_nothing_in_the_model(global_policy):
 def mirrored_reports():
     """The underflowing model on 2 replicas and on none, same weights; the
     replicas' halves of each batch differ."""
-    with strategies.mirrored(2).scope():
+    with training.mirrored(2).scope():
         distributed = float16_models.underflowing_model(keras)
     single = float16_models.underflowing_model(keras)
     data = float16_models.underflowing_data()
@@ -342,7 +354,7 @@ def test_variable_figures_under_mirrored_combine_every_replicas_gradients(
 
 
 def test_a_batch_that_does_not_split_over_the_replicas_is_refused():
-    with strategies.mirrored(2).scope():
+    with training.mirrored(2).scope():
         model = float16_models.underflowing_model(keras)
     x = float16_models.inputs()[:15]
 

@@ -1,11 +1,11 @@
 """`Float16Diagnosis.fix`: from the diagnosis to a model that trains.
 
-On the models of `tests/support/float16_models.py`: a forward pass that
+On the models of `tests/helpers/float16_models.py`: a forward pass that
 overflows before a normalization gets only the layers it must in float32
 and trains with no skipped step (also under MirroredStrategy); gradients that
 underflow at a loss scale stuck at 1 reach the fixed model's variables; a
 healthy model keeps every dtype; the original model is left bit-identical.
-tf-keras: `tests/support/tf_keras_float16_diagnosis.py`.
+tf-keras: `tests/scripts/tf_keras_float16_diagnosis.py`.
 """
 
 import keras
@@ -15,10 +15,12 @@ import tensorflow as tf
 
 import tf_lossscale
 
-from tests.support import float16_models  # pylint: disable=g-bad-import-order
-from tests.support import strategies  # pylint: disable=g-bad-import-order
+from tests.helpers import float16_models  # pylint: disable=g-bad-import-order
+from tests.helpers import training  # pylint: disable=g-bad-import-order
 
-pytestmark = pytest.mark.usefixtures("keras_isolation")
+# One xdist worker runs the file: its module fixtures run once.
+pytestmark = [pytest.mark.usefixtures("keras_isolation"),
+              pytest.mark.xdist_group("fix_reports")]
 
 _SCALES = [2.0**k for k in range(0, 33, 2)]
 
@@ -72,7 +74,7 @@ def test_fix_keeps_float16_after_the_normalization_and_trains():
 
 
 def test_fix_under_mirrored_trains_every_replica():
-    strategy = strategies.mirrored(2)
+    strategy = training.mirrored(2)
     with strategy.scope():
         model = float16_models.normalized_model(keras)
 

@@ -17,9 +17,9 @@ import pytest
 import tensorflow as tf
 
 from tests.fixtures import make_fixtures
-from tests.support import strategies
-from tests.support.keras_models import tiny_model
-from tests.support.variables import values_of
+from tests.helpers import training
+from tests.helpers.models import tiny_model
+from tests.helpers.training import values_of
 from tf_lossscale import LossScaleOptimizer
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
@@ -427,7 +427,7 @@ def test_no_bfloat16_warning_when_nothing_is_scaled_needlessly(policy,
 
 
 def test_optimizer_created_under_a_strategy_refuses_to_step_outside_it():
-    strategy = strategies.mirrored(2)
+    strategy = training.mirrored(2)
     with strategy.scope():
         model = tiny_model()
         optimizer = LossScaleOptimizer(keras.optimizers.SGD(0.1))

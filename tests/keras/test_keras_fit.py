@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import data
-from tests.support import keras_models
-from tests.support import reference_oracle as oracle
-from tests.support import strategies
-from tests.support.variables import values_of
+from tests.helpers import training
+from tests.helpers import models
+from tests.helpers import reference_oracle as oracle
+from tests.helpers.training import values_of
 import tf_lossscale
 from tf_lossscale import LossScaleOptimizer
 
@@ -46,7 +45,7 @@ def test_compile_under_mixed_float16_keeps_our_optimizer():
     keras.mixed_precision.set_global_policy("mixed_float16")
     optimizer = LossScaleOptimizer(keras.optimizers.SGD())
     plain = keras.optimizers.SGD()
-    model, plain_model = keras_models.tiny_model(), keras_models.tiny_model()
+    model, plain_model = models.tiny_model(), models.tiny_model()
 
     model.compile(optimizer=optimizer, loss="mse")
     plain_model.compile(optimizer=plain, loss="mse")
@@ -70,9 +69,9 @@ def test_mixed_float16_fit_matches_float32_and_skips_non_finite_batch(
         compile_args):
     loss_scale_config = {"initial_loss_scale": 2.0**8,
                          "increment_period": 2, "multiplier": 2.0}
-    x, y = data.normal_data(_BATCH_SIZE)
+    x, y = training.normal_data(_BATCH_SIZE)
     keras.mixed_precision.set_global_policy("float32")
-    float32_model = keras_models.tiny_model()
+    float32_model = models.tiny_model()
     initial_weights = values_of(float32_model.weights)
     float32_model.compile(_sgd(), "mse", **compile_args)
     _fit_one_batch(float32_model, x, y)
@@ -80,7 +79,7 @@ def test_mixed_float16_fit_matches_float32_and_skips_non_finite_batch(
                       zip(float32_model.weights, initial_weights)]
 
     keras.mixed_precision.set_global_policy("mixed_float16")
-    model = keras_models.tiny_model()
+    model = models.tiny_model()
     optimizer = LossScaleOptimizer(
         _sgd(), tf_lossscale.DynamicLossScale(**loss_scale_config))
     model.compile(optimizer, "mse", **compile_args)
@@ -129,7 +128,7 @@ def _local_values(strategy, variable):
 
 def _poisoned_batch(strategy, nan_replica):
     """A batch whose NaN only `nan_replica` sees."""
-    x, y = data.normal_data(_BATCH_SIZE, seed=1)
+    x, y = training.normal_data(_BATCH_SIZE, seed=1)
     x[_BATCH_SIZE // 2 * nan_replica + 1, 0] = _NAN
     parts = _replica_parts(strategy, x)
     assert [np.isnan(p).any() for p in parts] == [
@@ -139,7 +138,7 @@ def _poisoned_batch(strategy, nan_replica):
 
 def _compiled_mirrored_model(strategy, make_optimizer):
     with strategy.scope():
-        model = keras_models.tiny_model()
+        model = models.tiny_model()
         optimizer = make_optimizer()
         model.compile(optimizer, "mse")
     return model, optimizer
@@ -150,12 +149,12 @@ def test_nan_on_one_replica_skips_the_step_on_all_replicas(nan_replica):
     keras.mixed_precision.set_global_policy("mixed_float16")
     loss_scale_config = {"initial_loss_scale": 8.0, "increment_period": 3,
                          "multiplier": 2.0}
-    strategy = strategies.mirrored(len(_REPLICA_DEVICES))
+    strategy = training.mirrored(len(_REPLICA_DEVICES))
     model, optimizer = _compiled_mirrored_model(
         strategy, lambda: LossScaleOptimizer(
             keras.optimizers.SGD(0.1, momentum=0.9),
             tf_lossscale.DynamicLossScale(**loss_scale_config)))
-    _fit_one_batch(model, *data.normal_data(_BATCH_SIZE))
+    _fit_one_batch(model, *training.normal_data(_BATCH_SIZE))
     x, y = _poisoned_batch(strategy, nan_replica)
     state = model.weights + optimizer.inner_optimizer.variables
     before = [_local_values(strategy, v) for v in state]
@@ -184,12 +183,12 @@ def test_keras_own_loss_scale_optimizer_misses_nan_on_replica_one():
     needs revisiting.
     """
     keras.mixed_precision.set_global_policy("mixed_float16")
-    strategy = strategies.mirrored(len(_REPLICA_DEVICES))
+    strategy = training.mirrored(len(_REPLICA_DEVICES))
     model, optimizer = _compiled_mirrored_model(
         strategy, lambda: keras.mixed_precision.LossScaleOptimizer(
             keras.optimizers.SGD(0.1, momentum=0.9), initial_scale=8.0,
             dynamic_growth_steps=3))
-    _fit_one_batch(model, *data.normal_data(_BATCH_SIZE))
+    _fit_one_batch(model, *training.normal_data(_BATCH_SIZE))
     scale = float(optimizer.dynamic_scale.numpy())
     x, y = _poisoned_batch(strategy, nan_replica=1)
 
@@ -202,15 +201,15 @@ def test_keras_own_loss_scale_optimizer_misses_nan_on_replica_one():
 
 
 def test_finite_fit_step_under_mirrored_strategy_matches_one_device():
-    x, y = data.normal_data(_BATCH_SIZE)
+    x, y = training.normal_data(_BATCH_SIZE)
 
     def make_optimizer():
         return LossScaleOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
                                   loss_scale="dynamic")
 
-    strategy = strategies.mirrored(len(_REPLICA_DEVICES))
+    strategy = training.mirrored(len(_REPLICA_DEVICES))
     mirrored_model, _ = _compiled_mirrored_model(strategy, make_optimizer)
-    single_model = keras_models.tiny_model()
+    single_model = models.tiny_model()
     single_model.compile(make_optimizer(), "mse")
 
     for _ in range(2):
@@ -224,7 +223,7 @@ def test_finite_fit_step_under_mirrored_strategy_matches_one_device():
 
 
 def test_apply_gradients_outside_replica_context_is_an_error():
-    strategy = strategies.mirrored(len(_REPLICA_DEVICES))
+    strategy = training.mirrored(len(_REPLICA_DEVICES))
     with strategy.scope():
         variable = tf.Variable([1.0, 2.0])
         optimizer = LossScaleOptimizer(keras.optimizers.SGD())

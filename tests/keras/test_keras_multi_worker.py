@@ -1,6 +1,6 @@
 """`LossScaleOptimizer` under MultiWorkerMirroredStrategy with two processes.
 
-The session's multi-worker job (`tests/support/multi_worker_job.py`) trains
+The session's multi-worker job (`tests/scripts/multi_worker_job.py`) trains
 one model in a custom loop on two local workers; only worker 1 ever sees a
 NaN. Every worker has to skip those steps: a worker that applied while the
 other skipped would wait in the gradient all-reduce for a peer that never
@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import pytest
 
-from tests.support import multi_worker_job as job_lib
+from tests.scripts import multi_worker_job as job_lib
 
 _JOB = job_lib.JOB
 _NUM_WORKERS = job_lib.NUM_WORKERS

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import data
-from tests.support import keras_models
-from tests.support import reference_oracle as oracle
-from tests.support.variables import values_of
+from tests.helpers import training
+from tests.helpers import models
+from tests.helpers import reference_oracle as oracle
+from tests.helpers.training import values_of
 import tf_lossscale
 from tf_lossscale import LossScaleOptimizer
 
@@ -115,8 +115,8 @@ def test_keras_style_arguments_match_keras_loss_scale_optimizer(
 def test_loss_scale_is_callable_for_the_current_scale():
     optimizer = LossScaleOptimizer(
         _sgd(), tf_lossscale.DynamicLossScale(4.0, 1))
-    model = keras_models.tiny_model(hidden_units=2)
-    x, y = data.normal_data(4)
+    model = models.tiny_model(hidden_units=2)
+    x, y = training.normal_data(4)
 
     scale = optimizer.loss_scale()
     with tf.GradientTape() as tape:
@@ -146,7 +146,7 @@ def test_inner_optimizer_learning_rate_and_iterations_are_the_inner_ones():
 
 def test_variables_are_listed_once():
     optimizer = LossScaleOptimizer(keras.optimizers.Adam())
-    model = keras_models.tiny_model(hidden_units=2)
+    model = models.tiny_model(hidden_units=2)
     optimizer.build(model.trainable_variables)
 
     ids = [id(v) for v in optimizer.variables]
@@ -284,12 +284,12 @@ def test_custom_loop_applies_finite_steps_and_skips_non_finite_ones(
         protocol, use_function, make_inner):
     loss_scale_config = {"initial_loss_scale": 2.0**10,
                          "increment_period": 2, "multiplier": 2.0}
-    model = keras_models.tiny_model(hidden_units=2)
+    model = models.tiny_model(hidden_units=2)
     optimizer = LossScaleOptimizer(
         make_inner(), tf_lossscale.DynamicLossScale(**loss_scale_config))
     train_step = _make_train_step(model, optimizer, protocol, use_function)
     # The same model trained by the inner optimizer alone, finite steps only.
-    reference_model = keras_models.tiny_model(hidden_units=2)
+    reference_model = models.tiny_model(hidden_units=2)
     reference_optimizer = make_inner()
     expected_scales = oracle.reference_scales(
         [step == _FINITE for step in _STEPS], **loss_scale_config)
@@ -297,7 +297,7 @@ def test_custom_loop_applies_finite_steps_and_skips_non_finite_ones(
 
     for step, step_kind in enumerate(_STEPS):
         nan_in_input, poisoned, value = step_kind
-        x, y = data.normal_data(4, seed=step)
+        x, y = training.normal_data(4, seed=step)
         if nan_in_input:
             x[0, 0] = _NAN
         poison = np.zeros(num_vars, np.float32)
@@ -333,11 +333,11 @@ def test_fixed_loss_scale_applies_non_finite_gradients(protocol):
     # waiting, so it never asks to skip.
     _, reference_should_apply = tf.compat.v1.mixed_precision.FixedLossScale(
         8.0).update([tf.constant(_INF)])
-    model = keras_models.tiny_model(hidden_units=2)
+    model = models.tiny_model(hidden_units=2)
     optimizer = LossScaleOptimizer(_sgd(), loss_scale=8)
     train_step = _make_train_step(model, optimizer, protocol,
                                   use_function=False)
-    x, y = data.normal_data(4)
+    x, y = training.normal_data(4)
     poison = np.zeros(len(model.trainable_variables), np.float32)
     poison[-1] = _INF
 
@@ -353,8 +353,8 @@ def test_fixed_loss_scale_applies_non_finite_gradients(protocol):
 def test_apply_gradients_follows_the_protocol_of_the_last_scaling_call():
     # The same optimizer used with both protocols in turn must unscale the
     # gradients exactly once each time.
-    model = keras_models.tiny_model(hidden_units=2)
-    reference_model = keras_models.tiny_model(hidden_units=2)
+    model = models.tiny_model(hidden_units=2)
+    reference_model = models.tiny_model(hidden_units=2)
     reference_optimizer = _sgd()
     optimizer = LossScaleOptimizer(_sgd(), loss_scale=64)
     steps = [_make_train_step(model, optimizer, protocol, use_function)
@@ -363,7 +363,7 @@ def test_apply_gradients_follows_the_protocol_of_the_last_scaling_call():
     no_poison = tf.zeros(len(model.trainable_variables))
 
     for step, train_step in enumerate(steps + steps):
-        x, y = data.normal_data(4, seed=step)
+        x, y = training.normal_data(4, seed=step)
         train_step(tf.constant(x), tf.constant(y), no_poison)
         _reference_step(reference_model, reference_optimizer, x, y)
 

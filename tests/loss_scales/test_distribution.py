@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import strategies
+from tests.helpers import training
 import tf_lossscale
 
 NAN = float("nan")
@@ -38,8 +38,8 @@ LONG_SEQUENCE = "long"
 STRATEGIES = {
     "default": tf.distribute.get_strategy,
     "one_device": lambda: tf.distribute.OneDeviceStrategy("/cpu:0"),
-    "mirrored_2": lambda: strategies.mirrored(2),
-    "mirrored_4": lambda: strategies.mirrored(4),
+    "mirrored_2": lambda: training.mirrored(2),
+    "mirrored_4": lambda: training.mirrored(4),
 }
 MULTI_REPLICA_STRATEGIES = ("mirrored_2", "mirrored_4")
 CONTEXTS = ("replica", "cross_replica")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import strategies
+from tests.helpers import training
 import tf_lossscale
 
 _NAN = float("nan")
@@ -383,7 +383,7 @@ def test_update_from_all_finite_in_graph_orders_should_apply_after_the_update():
 
 
 def test_update_from_all_finite_under_mirrored_cross_replica_context():
-    strategy = strategies.mirrored(2)
+    strategy = training.mirrored(2)
     with strategy.scope():
         loss_scale = tf_lossscale.DynamicLossScale(initial_loss_scale=8,
                                                    increment_period=1)

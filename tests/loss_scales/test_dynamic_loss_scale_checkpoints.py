@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import reference_oracle as oracle
+from tests.helpers import reference_oracle as oracle
 import tf_lossscale
 
 SEED = 20_200_915

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import dynamic_rule_model as model_lib
-from tests.support import reference_oracle as oracle
+from tests.helpers import dynamic_rule_model as model_lib
+from tests.helpers import reference_oracle as oracle
 import tf_lossscale
 
 SEED = 20_240_909
@@ -129,12 +129,17 @@ def _run_batch_tf_function(batch):
             update_op, should_apply = loss_scale.update([values[index]])
             assert isinstance(update_op, tf.Operation)
             flags.append(should_apply)
-        return tf.stack(flags)
+        # Automatic control dependencies order each read after the updates.
+        return tf.stack(flags), [
+            tuple(None if v is None else v.read_value()
+                  for v in _state_variables(ls)) for ls in loss_scales]
 
     states, flags = [], []
     for row in batch.values:
-        flags.append(step(tf.constant(row)).numpy().tolist())
-        states.append(_read_all(loss_scales))
+        step_flags, state = step(tf.constant(row))
+        flags.append(step_flags.numpy().tolist())
+        states.append([tuple(None if v is None else v.numpy() for v in vs)
+                       for vs in state])
     assert step.experimental_get_tracing_count() == 1
     return loss_scales, states, flags
 

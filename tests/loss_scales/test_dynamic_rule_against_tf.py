@@ -12,13 +12,14 @@ The randomized sequences are seeded, so every failure names a sequence that
 reruns identically. Their total size is in the module constants below.
 """
 
+import functools
 import itertools
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import reference_oracle as oracle
+from tests.helpers import reference_oracle as oracle
 import tf_lossscale
 
 SEED = 20_190_501
@@ -35,7 +36,8 @@ EXTREME_PARAMS = [
 EAGER_RANDOM_SEQUENCES = 30
 EAGER_STEPS = 16
 
-# Graph-mode sequences keep one structure, so one trace serves all steps.
+# Graph-mode sequences keep one structure, so one trace serves all steps; all
+# sequences of a mode are stepped together, by one tf.function or one graph.
 TF_FUNCTION_SEQUENCES = 36
 TF_FUNCTION_STEPS = 50
 TF1_GRAPH_SEQUENCES = 50
@@ -72,6 +74,11 @@ def _ours_and_reference(params):
 
 def _run_and_assert_parity(mode, sequence):
     run = oracle.RUNNERS[mode](_ours_and_reference(sequence.params), sequence)
+    _assert_parity(mode, sequence, run)
+    return run
+
+
+def _assert_parity(mode, sequence, run):
     context = f"{mode}, {sequence.describe()}"
     ours_scales, reference_scales = run.scales
     ours_flags, reference_flags = run.flags
@@ -81,7 +88,23 @@ def _run_and_assert_parity(mode, sequence):
     # A third, independent opinion on which steps were finite, so a bug
     # shared with the reference's finiteness check would still show.
     oracle.assert_same_flags(ours_flags, sequence.expected_flags, context)
-    return run
+
+
+@functools.lru_cache(maxsize=None)
+def _graph_runs(mode):
+    """Every random sequence of a graph mode and its `Run`, all stepped
+    together (the tests of a mode share one xdist group, so one worker does
+    this once)."""
+    key, count, steps = {
+        "tf_function": (2, TF_FUNCTION_SEQUENCES, TF_FUNCTION_STEPS),
+        "tf1_graph": (3, TF1_GRAPH_SEQUENCES, TF1_GRAPH_STEPS)}[mode]
+    sequences = [oracle.random_sequence(oracle.keyed_rng(SEED, key, index),
+                                        steps) for index in range(count)]
+    together = {"tf_function": oracle.run_tf_function_together,
+                "tf1_graph": oracle.run_tf1_graph_together}[mode]
+    runs = together([(_ours_and_reference(sequence.params), sequence)
+                     for sequence in sequences])
+    return list(zip(sequences, runs))
 
 
 def _assert_update_op_type(mode, run):
@@ -113,21 +136,21 @@ class TestRandomizedParity:
             fixed_structure=False)
         _run_and_assert_parity("eager", sequence)
 
+    @pytest.mark.xdist_group("parity_tf_function")
     @pytest.mark.parametrize("index", range(TF_FUNCTION_SEQUENCES))
     def test_tf_function_matches_reference(self, index):
-        sequence = oracle.random_sequence(oracle.keyed_rng(SEED, 2, index),
-                                          TF_FUNCTION_STEPS)
-        run = _run_and_assert_parity("tf_function", sequence)
+        sequence, run = _graph_runs("tf_function")[index]
+        _assert_parity("tf_function", sequence, run)
         # The loss scale must not force a retrace per step: its state lives
         # in variables, not in Python values baked into the trace.
         assert run.trace_count == 1
         _assert_update_op_type("tf_function", run)
 
+    @pytest.mark.xdist_group("parity_tf1_graph")
     @pytest.mark.parametrize("index", range(TF1_GRAPH_SEQUENCES))
     def test_tf1_graph_session_matches_reference(self, index):
-        sequence = oracle.random_sequence(oracle.keyed_rng(SEED, 3, index),
-                                          TF1_GRAPH_STEPS)
-        run = _run_and_assert_parity("tf1_graph", sequence)
+        sequence, run = _graph_runs("tf1_graph")[index]
+        _assert_parity("tf1_graph", sequence, run)
         _assert_update_op_type("tf1_graph", run)
 
     @pytest.mark.parametrize("mode", LONG_MODES)

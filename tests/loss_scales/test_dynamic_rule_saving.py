@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import data
-from tests.support import dynamic_rule_model as model_lib
-from tests.support import keras_models
-from tests.support import reference_oracle as oracle
+from tests.helpers import training
+from tests.helpers import dynamic_rule_model as model_lib
+from tests.helpers import models
+from tests.helpers import reference_oracle as oracle
 import tf_lossscale
 
 SEED = 20_240_910
@@ -183,7 +183,7 @@ def test_tf_reference_checkpoint_restores_into_a_rule_with_more_state(
 
 
 def _fit(model, seed, nan=False):
-    model.fit(*data.normal_data(8, seed=seed, nan_batches=[0] if nan else []),
+    model.fit(*training.normal_data(8, seed=seed, nan_batches=[0] if nan else []),
               batch_size=8, epochs=1, shuffle=False, verbose=0)
 
 
@@ -192,7 +192,7 @@ def test_keras_file_keeps_rule_and_state_and_training_continues_identically(
         tmp_path):
     keras.mixed_precision.set_global_policy("mixed_float16")
     rule = dict(_CONFIGS["everything"], increment_period=2)
-    model = keras_models.tiny_model()
+    model = models.tiny_model()
     optimizer = tf_lossscale.LossScaleOptimizer(
         keras.optimizers.SGD(0.1, momentum=0.9),
         loss_scale=tf_lossscale.DynamicLossScale(**rule))

@@ -5,10 +5,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import data
-from tests.support import keras_models
-from tests.support import reference_oracle as oracle
-from tests.support import strategies
+from tests.helpers import training
+from tests.helpers import models
+from tests.helpers import reference_oracle as oracle
 import tf_lossscale
 
 _NAN = float("nan")
@@ -287,7 +286,7 @@ def test_update_from_all_finite_and_needs_finiteness(skip):
 
 
 def test_skip_non_finite_agrees_across_mirrored_replicas():
-    strategy = strategies.mirrored(2)
+    strategy = training.mirrored(2)
     loss_scale = _skipping()
 
     @tf.function
@@ -307,12 +306,12 @@ def test_skip_non_finite_agrees_across_mirrored_replicas():
 @pytest.mark.usefixtures("keras_isolation")
 def test_bfloat16_fit_skips_a_nan_batch_and_keeps_weights_bit_identical():
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    model = keras_models.tiny_model()
+    model = models.tiny_model()
     optimizer = tf_lossscale.LossScaleOptimizer(
         keras.optimizers.SGD(0.1, momentum=0.9), loss_scale=_skipping())
     model.compile(optimizer, "mse")
     assert model.optimizer is optimizer
-    x, y = data.normal_data(8)
+    x, y = training.normal_data(8)
     model.fit(x, y, batch_size=8, verbose=0)
     state = model.weights + optimizer.inner_optimizer.variables
     before = [v.numpy() for v in state]

@@ -3,7 +3,7 @@ combination, in TF1 graphs and by `get`.
 
 Each argument alone at its type and range edges is refused (exception, name,
 value, nothing created) in tests/step/test_hostile_inputs.py, with the
-values of tests/support/hostile_values.py. TensorFlow's reference loss
+values of tests/helpers/hostile_values.py. TensorFlow's reference loss
 scales accept several of those values and then misbehave (a scale of 0 or
 NaN, a multiplier of 1 that never grows); this library refuses them.
 """

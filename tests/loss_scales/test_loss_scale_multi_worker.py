@@ -1,6 +1,6 @@
 """DynamicLossScale across real worker processes.
 
-The session's multi-worker job (`tests/support/multi_worker_job.py`: two
+The session's multi-worker job (`tests/scripts/multi_worker_job.py`: two
 processes on 127.0.0.1 forming a `MultiWorkerMirroredStrategy` cluster) drives
 a loss scale (`multi_worker_loss_scale_worker.py`); only worker 1 sees
 non-finite gradients. If the workers decided separately, worker 0 would apply
@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import dynamic_rule_model
-from tests.support import multi_worker_job
-from tests.support import multi_worker_loss_scale_worker as worker_program
-from tests.support import subprocesses
+from tests.helpers import dynamic_rule_model
+from tests.scripts import multi_worker_job
+from tests.scripts import multi_worker_loss_scale_worker as worker_program
+from tests.helpers import subprocesses
 
 NUM_WORKERS = worker_program.NUM_WORKERS
 POISONED_WORKER = worker_program.POISONED_WORKER

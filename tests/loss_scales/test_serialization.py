@@ -6,10 +6,10 @@ import keras
 import pytest
 import tensorflow as tf
 
-from tests.support import paths
+from tests import helpers
 import tf_lossscale
 
-_CONFIGS_DIR = paths.ROOT / "configs"
+_CONFIGS_DIR = helpers.ROOT / "configs"
 _KNOWN_CONFIGS = {"dynamic_loss_scale.json": "DynamicLossScale",
                   "fixed_loss_scale.json": "FixedLossScale"}
 

@@ -18,11 +18,12 @@ import tensorflow as tf
 import tf_lossscale
 from tf_lossscale.monitor import callback as monitor
 
-from tests.support import data  # pylint: disable=g-bad-import-order
-from tests.support import monitor_models  # pylint: disable=g-bad-import-order
-from tests.support import strategies  # pylint: disable=g-bad-import-order
+from tests.helpers import training  # pylint: disable=g-bad-import-order
+from tests.helpers import models  # pylint: disable=g-bad-import-order
 
-pytestmark = pytest.mark.usefixtures("keras_isolation")
+# One xdist worker runs the file: its module fixtures run once.
+pytestmark = [pytest.mark.usefixtures("keras_isolation"),
+              pytest.mark.xdist_group("monitor_fit_runs")]
 
 _INITIAL_SCALE = 2.0**30
 _KERAS_SERIES = tuple(int(part) for part in keras.__version__.split(".")[:2])
@@ -80,14 +81,14 @@ def fit_run(request, tmp_path_factory):
     with steps_per_execution 1 and 4. The monitor alone runs the checks an
     XLA step leaves to the host."""
     mirrored, steps_per_execution, jit_compile = _FIT_RUNS[request.param]
-    strategy = strategies.mirrored(2) if mirrored else None
+    strategy = training.mirrored(2) if mirrored else None
     tmp = tmp_path_factory.mktemp(request.param)
     with strategy.scope() if strategy else contextlib.nullcontext():
-        model = monitor_models.mixed_float16_model(
+        model = models.mixed_float16_model(
             _INITIAL_SCALE, jit_compile=jit_compile,
             steps_per_execution=steps_per_execution)
     batch_logs = _BatchLogs()
-    x, y = data.summed_data(_BATCH_SIZE, _STEPS_PER_EPOCH)
+    x, y = training.summed_data(_BATCH_SIZE, _STEPS_PER_EPOCH)
     history = model.fit(
         x, y, batch_size=_BATCH_SIZE, epochs=_EPOCHS, shuffle=False, verbose=0,
         callbacks=[tf_lossscale.LossScaleMonitor(), batch_logs,
@@ -168,8 +169,8 @@ def test_tensorboard_after_the_monitor_writes_both_scalars(fit_run):
 
 def test_monitor_continues_from_the_saved_state_after_a_keras_reload(
         tmp_path):
-    model = monitor_models.mixed_float16_model(_INITIAL_SCALE)
-    x, y = data.summed_data(_BATCH_SIZE, _STEPS_PER_EPOCH)
+    model = models.mixed_float16_model(_INITIAL_SCALE)
+    x, y = training.summed_data(_BATCH_SIZE, _STEPS_PER_EPOCH)
     model.fit(x, y, batch_size=_BATCH_SIZE, epochs=1, shuffle=False,
               verbose=0, callbacks=[tf_lossscale.LossScaleMonitor()])
     saved_skips = int(model.optimizer.skipped_steps)
@@ -205,7 +206,7 @@ def test_other_optimizer_fails_at_train_begin_naming_it(policy, expected,
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     weights = [w.numpy() for w in model.weights]
-    x, y = data.summed_data(_BATCH_SIZE, _STEPS_PER_EPOCH)
+    x, y = training.summed_data(_BATCH_SIZE, _STEPS_PER_EPOCH)
 
     with pytest.raises(TypeError, match="tf_lossscale.LossScaleOptimizer") as e:
         model.fit(x, y, batch_size=_BATCH_SIZE, epochs=1, verbose=0,
@@ -235,8 +236,8 @@ def _monitor_lines(text):
 def test_verbose_prints_a_burst_once_and_its_summary_then_a_lone_skip(capsys):
     # NaN steps, so the skips fall exactly there: a burst of 5 from step 1,
     # and step 40, far enough after it to start a burst of its own.
-    model = monitor_models.mixed_float16_model(1024.0)
-    x, y = data.summed_data(
+    model = models.mixed_float16_model(1024.0)
+    x, y = training.summed_data(
         _BATCH_SIZE, 48, nan_batches=_batches_of_steps([1, 2, 3, 4, 5, 40]))
 
     model.fit(x, y, batch_size=_BATCH_SIZE, epochs=1, shuffle=False,
@@ -260,9 +261,9 @@ def test_verbose_names_the_steps_of_each_execution(capsys):
     # Four steps per execution over ten: the skip at step 6 is seen at the
     # end of steps 5-8, the one at step 10 at the end of steps 9-10, whatever
     # step number Keras passes the batch end.
-    model = monitor_models.mixed_float16_model(
+    model = models.mixed_float16_model(
         1024.0, steps_per_execution=4)
-    x, y = data.summed_data(
+    x, y = training.summed_data(
         _BATCH_SIZE, 10, nan_batches=_batches_of_steps([6, 10]))
 
     model.fit(x, y, batch_size=_BATCH_SIZE, epochs=1, shuffle=False,
@@ -280,8 +281,8 @@ def test_verbose_names_the_steps_of_each_execution(capsys):
 def test_verbose_names_only_the_overflowing_float16_layer(capsys):
     # At 2**30 the float16 layer's gradients overflow; the float32 output
     # layer's do not.
-    model = monitor_models.mixed_float16_model(_INITIAL_SCALE)
-    x, y = data.summed_data(_BATCH_SIZE)
+    model = models.mixed_float16_model(_INITIAL_SCALE)
+    x, y = training.summed_data(_BATCH_SIZE)
 
     model.fit(x, y, batch_size=_BATCH_SIZE, epochs=1, shuffle=False,
               verbose=0,
@@ -297,8 +298,8 @@ def test_verbose_names_only_the_overflowing_float16_layer(capsys):
 
 def test_verbose_summarizes_a_burst_that_does_not_end(capsys, monkeypatch):
     monkeypatch.setattr(monitor, "BURST_SUMMARY_SKIPS", 3)
-    model = monitor_models.mixed_float16_model(2.0**10)
-    x, y = data.summed_data(_BATCH_SIZE, _STEPS_PER_EPOCH,
+    model = models.mixed_float16_model(2.0**10)
+    x, y = training.summed_data(_BATCH_SIZE, _STEPS_PER_EPOCH,
                             nan_batches=range(_STEPS_PER_EPOCH))
 
     model.fit(x, y, batch_size=_BATCH_SIZE, epochs=1, shuffle=False,

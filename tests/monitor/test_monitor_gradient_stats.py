@@ -26,11 +26,12 @@ import tensorflow as tf
 import tf_lossscale
 from tf_lossscale.monitor import gradient_stats as step_gradient_stats
 
-from tests.support import data  # pylint: disable=g-bad-import-order
-from tests.support import monitor_models  # pylint: disable=g-bad-import-order
-from tests.support import strategies  # pylint: disable=g-bad-import-order
+from tests.helpers import training  # pylint: disable=g-bad-import-order
+from tests.helpers import models  # pylint: disable=g-bad-import-order
 
-pytestmark = pytest.mark.usefixtures("keras_isolation")
+# One xdist worker runs the file: its module fixtures run once.
+pytestmark = [pytest.mark.usefixtures("keras_isolation"),
+              pytest.mark.xdist_group("monitor_gradient_stats_runs")]
 
 _BATCH = 8
 _INITIAL_SCALE = 2.0**16
@@ -40,9 +41,11 @@ _STEPS = 6
 def _expected(model, x, y, replicas, jit_compile=False):
     """(share, headroom) of the step `fit` is about to run on `(x, y)`.
 
-    Under XLA the gradients are computed under XLA too: XLA may drop a
-    float16 rounding between float32 ops (TF 2.16 does, so a gradient that
-    overflows float16 elsewhere stays finite there).
+    The gradients are computed the way `fit` computes them: in a
+    `tf.function` (graph rewrites fuse kernels, which may round otherwise
+    than eager ops on some CPUs), under XLA where `fit` uses XLA (which may
+    drop a float16 rounding between float32 ops: TF 2.16 does, so a
+    gradient that overflows float16 elsewhere stays finite there).
     """
     scale = float(model.optimizer.loss_scale())
     half = model.get_layer("half").trainable_weights
@@ -54,8 +57,7 @@ def _expected(model, x, y, replicas, jit_compile=False):
             scaled = loss * (1.0 / replicas) * scale
         return tape.gradient(scaled, half)
 
-    if jit_compile:
-        grads = tf.function(grads, jit_compile=True)
+    grads = tf.function(grads, jit_compile=jit_compile)
     values = []
     for part_x, part_y in zip(np.split(x, replicas), np.split(y, replicas)):
         values += [np.ravel(g) for g in grads(part_x, part_y)]
@@ -92,13 +94,13 @@ _RUNS = {"one_device": (1, False), "xla": (1, True), "mirrored_2": (2, False)}
 @pytest.fixture(scope="module", params=_RUNS)
 def stats_run(request, tmp_path_factory):
     replicas, jit_compile = _RUNS[request.param]
-    strategy = strategies.mirrored(replicas) if replicas > 1 else None
+    strategy = training.mirrored(replicas) if replicas > 1 else None
     with strategy.scope() if strategy else contextlib.nullcontext():
         # At 2**16 some steps' gradients go beyond float16's range (and
         # skip, halving the scale), others fit.
-        model = monitor_models.mixed_float16_model(
+        model = models.mixed_float16_model(
             _INITIAL_SCALE, jit_compile=jit_compile)
-    x, y = data.summed_data(_BATCH, _STEPS)
+    x, y = training.summed_data(_BATCH, _STEPS)
     expect = _Expect(x, y, replicas, jit_compile)
     tmp = tmp_path_factory.mktemp(request.param)
     history = model.fit(
@@ -143,8 +145,8 @@ def test_the_option_is_off_again_after_fit(stats_run):
 
 def test_underflow_share_counts_values_below_float16_normals():
     # A scale of 2**-20 pushes nearly every gradient value below 2**-14.
-    model = monitor_models.mixed_float16_model(2.0**-20)
-    x, y = data.summed_data(_BATCH)
+    model = models.mixed_float16_model(2.0**-20)
+    x, y = training.summed_data(_BATCH)
     expect = _Expect(x, y, 1)
 
     model.fit(x, y, batch_size=_BATCH, epochs=1, shuffle=False, verbose=0,
@@ -156,8 +158,8 @@ def test_underflow_share_counts_values_below_float16_normals():
 
 
 def test_a_step_traced_before_the_monitor_is_traced_again_with_it():
-    model = monitor_models.mixed_float16_model(_INITIAL_SCALE)
-    x, y = data.summed_data(_BATCH, _STEPS)
+    model = models.mixed_float16_model(_INITIAL_SCALE)
+    x, y = training.summed_data(_BATCH, _STEPS)
     model.fit(x, y, batch_size=_BATCH, epochs=1, shuffle=False, verbose=0)
     expect = _Expect(x, y, 1)
 
@@ -174,8 +176,8 @@ class _KeepStats(keras.callbacks.Callback):
 
 
 def test_steps_after_the_monitors_fit_record_nothing():
-    model = monitor_models.mixed_float16_model(_INITIAL_SCALE)
-    x, y = data.summed_data(_BATCH, _STEPS)
+    model = models.mixed_float16_model(_INITIAL_SCALE)
+    x, y = training.summed_data(_BATCH, _STEPS)
     keep = _KeepStats()
     model.fit(x, y, batch_size=_BATCH, epochs=1, shuffle=False, verbose=0,
               callbacks=[tf_lossscale.LossScaleMonitor(gradient_stats=True),
@@ -231,8 +233,8 @@ def _traced_step(model, x, y):
 
 
 def test_a_step_traced_without_the_option_has_none_of_its_ops():
-    model = monitor_models.mixed_float16_model(_INITIAL_SCALE)
-    x, y = data.summed_data(_BATCH)
+    model = models.mixed_float16_model(_INITIAL_SCALE)
+    x, y = training.summed_data(_BATCH)
     model.optimizer.build(model.trainable_variables)
     off = _traced_step(model, x, y)
     stats = step_gradient_stats.attach(model.optimizer,

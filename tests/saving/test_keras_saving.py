@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import data
-from tests.support import keras_models
+from tests.helpers import training
+from tests.helpers import models
 import tf_lossscale
 from tf_lossscale import LossScaleOptimizer
 
@@ -41,14 +41,14 @@ def _optimizer():
 
 
 def _compiled_model(seed=0, jit_compile=False):
-    model = keras_models.tiny_model(seed)
+    model = models.tiny_model(seed)
     model.compile(_optimizer(), "mse", jit_compile=jit_compile)
     return model
 
 
 def _batch(step, finite):
     """Step `step`'s batch of 4, seeded by the step; a NaN if not finite."""
-    return data.normal_data(4, seed=step, nan_batches=[] if finite else [0],
+    return training.normal_data(4, seed=step, nan_batches=[] if finite else [0],
                             nan_row=2)
 
 
@@ -232,12 +232,12 @@ def _save_and_load_weights(make_optimizer, build_before_load, tmp_path):
     Returns the trained model, the model loaded into, that model's state just
     before loading, and the warnings Keras gave while loading.
     """
-    model = keras_models.tiny_model()
+    model = models.tiny_model()
     model.compile(make_optimizer(), "mse")
     _train(model, _STEPS_BEFORE_SAVE)
     path = str(tmp_path / f"{type(model.optimizer).__module__}.weights.h5")
     model.save_weights(path)
-    loaded = keras_models.tiny_model(seed=1)
+    loaded = models.tiny_model(seed=1)
     loaded.compile(make_optimizer(), "mse")
     if build_before_load:
         loaded.optimizer.build(loaded.trainable_variables)

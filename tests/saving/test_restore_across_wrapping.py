@@ -24,14 +24,16 @@ import pytest
 import tensorflow as tf
 
 from tests.fixtures import make_fixtures
-from tests.support import data
-from tests.support import paths
-from tests.support.keras_models import tiny_model
+from tests.helpers import training
+from tests import helpers
+from tests.helpers.models import tiny_model
 from tf_lossscale import LossScaleOptimizer
 
-pytestmark = pytest.mark.usefixtures("keras_isolation")
+# One xdist worker runs the file, so each saved run is made once.
+pytestmark = [pytest.mark.usefixtures("keras_isolation"),
+              pytest.mark.xdist_group("restore_across_wrapping")]
 
-_FIXTURES = paths.FIXTURES
+_FIXTURES = helpers.FIXTURES
 
 OPTIMIZERS = {
     "sgd": lambda: keras.optimizers.SGD(0.1),
@@ -138,10 +140,10 @@ def saved_run(tmp_path_factory):
         model = tiny_model(seed=0)
         optimizer = _optimizer(name, kind)
         train = _trainer(model, optimizer, loop)
-        train(*data.normal_data(BATCH, STEPS_BEFORE_SAVE))
+        train(*training.normal_data(BATCH, STEPS_BEFORE_SAVE))
         path = tf.train.Checkpoint(model=model, optimizer=optimizer).write(
             str(directory / f"{name}_{kind}_{loop}"))
-        train(*data.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
+        train(*training.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
         return path, _snapshot(model, optimizer)
 
     return run
@@ -164,7 +166,7 @@ def test_next_step_after_restore_is_the_uninterrupted_one(
 
     tf.train.Checkpoint(model=model, optimizer=optimizer).restore(
         path).expect_partial()
-    train(*data.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
+    train(*training.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
 
     _assert_continues_as(model, optimizer, expected)
 
@@ -197,15 +199,15 @@ def test_custom_optimizer_state_outside_its_variables_restores_before_build(
         return model, optimizer, _custom_loop(model, optimizer)
 
     source, source_optimizer, train = run(saved_by, seed=0)
-    train(*data.normal_data(BATCH, STEPS_BEFORE_SAVE))
+    train(*training.normal_data(BATCH, STEPS_BEFORE_SAVE))
     path = tf.train.Checkpoint(model=source, optimizer=source_optimizer).write(
         str(tmp_path / "saved"))
-    train(*data.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
+    train(*training.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
     model, optimizer, train = run(restored_into, seed=1)
 
     tf.train.Checkpoint(model=model, optimizer=optimizer).restore(
         path).expect_partial()
-    train(*data.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
+    train(*training.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
 
     _assert_continues_as(model, optimizer, _snapshot(source, source_optimizer))
     assert float(_inner(optimizer)._growth) == float(  # pylint: disable=protected-access
@@ -226,10 +228,10 @@ def test_keras_wrapper_checkpoint_gives_its_inner_state_in_any_order(
     source_optimizer = keras.mixed_precision.LossScaleOptimizer(
         keras.optimizers.Adam(0.01))
     train = _custom_loop(source, source_optimizer)
-    train(*data.normal_data(BATCH, STEPS_BEFORE_SAVE))
+    train(*training.normal_data(BATCH, STEPS_BEFORE_SAVE))
     path = tf.train.Checkpoint(model=source, optimizer=source_optimizer).write(
         str(tmp_path / "keras"))
-    train(*data.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
+    train(*training.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
     model = tiny_model(seed=1)
     optimizer = _optimizer("adam", "wrapped")
     if build_first:
@@ -238,7 +240,7 @@ def test_keras_wrapper_checkpoint_gives_its_inner_state_in_any_order(
     tf.train.Checkpoint(model=model, optimizer=optimizer).restore(
         path).expect_partial()
     _custom_loop(model, optimizer)(
-        *data.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
+        *training.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
 
     _assert_continues_as(model, optimizer, _snapshot(source, source_optimizer))
 
@@ -279,7 +281,7 @@ def test_plain_checkpoint_resumes_wrapped_in_traced_training(
     train = _trainer(model, optimizer, loop)
 
     tf.train.Checkpoint(model=model, optimizer=optimizer).restore(path)
-    train(*data.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
+    train(*training.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
 
     _assert_continues_as(model, optimizer, expected)
 
@@ -305,7 +307,7 @@ def _precision_run(name, kind, policy, seed):
 def test_next_step_across_precisions_is_the_one_from_the_saved_state(
         name, saved, restored, build_first, tmp_path):
     source, source_optimizer, train = _precision_run(name, *saved, seed=0)
-    train(*data.normal_data(BATCH, STEPS_BEFORE_SAVE))
+    train(*training.normal_data(BATCH, STEPS_BEFORE_SAVE))
     path = tf.train.Checkpoint(model=source, optimizer=source_optimizer).write(
         str(tmp_path / "saved"))
     # The step from the saved state, set by hand: the uninterrupted run in
@@ -318,14 +320,14 @@ def test_next_step_across_precisions_is_the_one_from_the_saved_state(
             source.weights + _inner(source_optimizer).variables,
             strict=True):
         variable.assign(value)
-    reference_train(*data.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
+    reference_train(*training.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
 
     model, optimizer, train = _precision_run(name, *restored, seed=2)
     if build_first:
         optimizer.build(model.trainable_variables)
     tf.train.Checkpoint(model=model, optimizer=optimizer).restore(
         path).expect_partial()
-    train(*data.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
+    train(*training.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
 
     _assert_continues_as(model, optimizer,
                          _snapshot(reference, reference_optimizer))
@@ -336,7 +338,7 @@ def test_next_step_across_precisions_is_the_one_from_the_saved_state(
 
 
 def _fit(model, steps, first):
-    model.fit(*data.normal_data(BATCH, steps, seed=first), batch_size=BATCH,
+    model.fit(*training.normal_data(BATCH, steps, seed=first), batch_size=BATCH,
               epochs=1, shuffle=False, verbose=0)
 
 

@@ -22,11 +22,11 @@ import tensorflow as tf
 
 import tf_lossscale
 from tests.fixtures import make_fixtures
-from tests.support import paths
+from tests import helpers
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
 
-FIXTURES = paths.FIXTURES
+FIXTURES = helpers.FIXTURES
 # v0_1: written by the 0.1.0 release. v0_2: written by the 0.2.0 release
 # (commit 2f3d353), whose checkpoints hold the inner optimizer's state under
 # the plain names too, before 0.3.0 added the wrapper's `_variables` to them.

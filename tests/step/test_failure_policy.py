@@ -20,9 +20,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import data
-from tests.support import policy_runs as runs
-from tests.support import strategies
+from tests.helpers import training
+from tests.helpers import policy_runs as runs
 import tf_lossscale
 
 _NAN = float("nan")
@@ -181,7 +180,7 @@ def test_fit_fails_with_raise_at_the_floor_and_keeps_the_weights(mode):
     loss_scale = tf_lossscale.DynamicLossScale(
         initial_loss_scale=2, min_loss_scale=1, on_min_loss_scale="raise")
     model, optimizer = runs.compiled(loss_scale, runs.FIT_MODES[mode])
-    runs.fit(model, *data.normal_data(runs.BATCH_SIZE))
+    runs.fit(model, *training.normal_data(runs.BATCH_SIZE))
     weights = [w.numpy() for w in model.weights]
 
     with pytest.raises(tf.errors.InvalidArgumentError,
@@ -233,7 +232,7 @@ def _replica_gradient(poison):
 
 
 def _mirrored_setup(**kwargs):
-    strategy = strategies.mirrored(2)
+    strategy = training.mirrored(2)
     with strategy.scope():
         loss_scale = tf_lossscale.DynamicLossScale(**kwargs)
 
@@ -293,7 +292,7 @@ def test_fit_raise_comes_before_the_weights_change_again(mode):
     loss_scale = tf_lossscale.DynamicLossScale(
         initial_loss_scale=1, on_min_loss_scale="raise")
     model, optimizer = runs.compiled(loss_scale, runs.FIT_MODES[mode])
-    x, y = data.normal_data(runs.BATCH_SIZE)
+    x, y = training.normal_data(runs.BATCH_SIZE)
     weights = [w.numpy() for w in model.weights]
     x_nan = x.copy()
     x_nan[0, 0] = _NAN

@@ -35,9 +35,9 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from tests.support import hostile_values
-from tests.support import subprocesses
-from tests.support.hostile_values import MESSAGE_BOUND
+from tests.helpers import hostile_values
+from tests.helpers import subprocesses
+from tests.helpers.hostile_values import MESSAGE_BOUND
 import tf_lossscale
 from tf_lossscale._internal import checks
 from tf_lossscale.compat.v1 import MixedPrecisionLossScaleOptimizer
@@ -230,6 +230,7 @@ _TF_KERAS_CASES = {"optimizer": _OPTIMIZER_CASES, "legacy": _OPTIMIZER_CASES,
                    "monitor": hostile_values.MONITOR}
 
 
+@pytest.mark.xdist_group("hostile_tf_keras_worker")  # One worker process.
 @pytest.mark.parametrize("kind", sorted(_TF_KERAS_CASES))
 def test_tf_keras_optimizer_and_monitor_refuse(tf_keras_results, kind):
     cases = {hostile_values.case_id(case): case

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import keras_models
-from tests.support import strategies
+from tests.helpers import models
+from tests.helpers import training
 import tf_lossscale
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
@@ -40,7 +40,7 @@ def _gradients(variables, bad=None):
                          ids=["eager", "function"])
 def test_names_exactly_the_overflowing_variables_of_the_last_skip(
         in_function):
-    variables = keras_models.tiny_model().trainable_variables
+    variables = models.tiny_model().trainable_variables
     optimizer = _optimizer()
     optimizer.build(variables)
 
@@ -68,7 +68,7 @@ def test_names_exactly_the_overflowing_variables_of_the_last_skip(
 
 
 def test_tf2_protocol_reports_the_same_way():
-    variables = keras_models.tiny_model().trainable_variables
+    variables = models.tiny_model().trainable_variables
     optimizer = _optimizer()
     optimizer.get_scaled_loss(tf.constant(1.0))
     scaled = _gradients(variables, {2: _NAN})
@@ -106,7 +106,7 @@ def test_indexed_slices_gradients_are_named():
                                 "steps_per_execution": 2}],
                          ids=["tf_function", "xla", "xla_2_steps_per_call"])
 def test_fit_records_the_variables_of_a_skipped_batch(compile_args):
-    model = keras_models.tiny_model()
+    model = models.tiny_model()
     optimizer = _optimizer()
     model.compile(optimizer=optimizer, loss="mse", **compile_args)
     x = np.ones((8, 3), np.float32)
@@ -127,9 +127,9 @@ def test_fit_records_the_variables_of_a_skipped_batch(compile_args):
     {0: {0: _INF}, 1: {3: _NAN}},
 ], ids=["replica_1_only", "different_variables_per_replica"])
 def test_mirrored_combines_every_replica(bad_by_replica):
-    strategy = strategies.mirrored(2)
+    strategy = training.mirrored(2)
     with strategy.scope():
-        variables = keras_models.tiny_model().trainable_variables
+        variables = models.tiny_model().trainable_variables
         optimizer = _optimizer()
         optimizer.build(variables)
 

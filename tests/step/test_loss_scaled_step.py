@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import reference_oracle as oracle
+from tests.helpers import reference_oracle as oracle
 import tf_lossscale
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")

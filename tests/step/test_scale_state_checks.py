@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import data
-from tests.support import keras_models
-from tests.support.variables import values_of
+from tests.helpers import training
+from tests.helpers import models
+from tests.helpers.training import values_of
 import tf_lossscale
 
 _NAN = float("nan")
@@ -182,7 +182,7 @@ _FIT_MODES = {
 
 
 def _compiled_model(compile_args=None):
-    model = keras_models.tiny_model()
+    model = models.tiny_model()
     optimizer = tf_lossscale.LossScaleOptimizer(
         keras.optimizers.SGD(0.1, momentum=0.9),
         loss_scale=tf_lossscale.DynamicLossScale(initial_loss_scale=8,
@@ -192,7 +192,7 @@ def _compiled_model(compile_args=None):
 
 
 def _fit(model, batches=1):
-    x, y = (np.tile(a, (batches, 1)) for a in data.normal_data(8))
+    x, y = (np.tile(a, (batches, 1)) for a in training.normal_data(8))
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
               callbacks=[tf_lossscale.XlaChecks()])
 
@@ -363,7 +363,7 @@ def test_checkpoint_with_a_bad_counter_fails_at_the_first_step(
 
 
 def _counting_model(compile_args=None):
-    model = keras_models.tiny_model()
+    model = models.tiny_model()
     optimizer = tf_lossscale.LossScaleOptimizer(
         keras.optimizers.SGD(0.1, momentum=0.9),
         loss_scale=tf_lossscale.DynamicLossScale(**_COUNTING_RULE))

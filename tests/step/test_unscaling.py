@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import reference_oracle as oracle
+from tests.helpers import reference_oracle as oracle
 import tf_lossscale
 from tf_lossscale.ops import finiteness as gradient_checks
 from tf_lossscale.ops import unscaling

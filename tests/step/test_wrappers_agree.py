@@ -16,8 +16,8 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from tests.support import paths
-from tests.support import strategies
+from tests import helpers
+from tests.helpers import training
 import tf_lossscale
 from tf_lossscale._internal import checks as validation
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("keras_isolation")
 def _cross_replica_step(make_optimizer):
     """The error of `apply_gradients` called directly under a strategy's
     scope, with the variable's value after it."""
-    strategy = strategies.mirrored(2)
+    strategy = training.mirrored(2)
     with strategy.scope():
         variable = tf.Variable([1.0, 2.0])
         optimizer = make_optimizer()
@@ -91,9 +91,9 @@ def _report(legacy_keras):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                TF_USE_LEGACY_KERAS="1" if legacy_keras else "0")
     env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(paths.ROOT), env.get("PYTHONPATH")) if p)
+        p for p in (str(helpers.ROOT), env.get("PYTHONPATH")) if p)
     done = subprocess.run([sys.executable, "-c", _REPORT], env=env,
-                          cwd=str(paths.ROOT), capture_output=True, text=True,
+                          cwd=str(helpers.ROOT), capture_output=True, text=True,
                           timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-6000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

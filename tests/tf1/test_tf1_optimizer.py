@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import reference_oracle as oracle
-from tests.support import strategies
-from tests.support import subprocesses
-from tests.support import tf1_graphs
+from tests.helpers import reference_oracle as oracle
+from tests.helpers import training
+from tests.helpers import subprocesses
+from tests.helpers import tf1_graphs
 import tf_lossscale
 from tf_lossscale.compat.v1 import MixedPrecisionLossScaleOptimizer
 
@@ -408,7 +408,7 @@ def test_mirrored_nan_on_one_replica_skips_on_all_like_tensorflows(
                  lambda: TensorFlowWrapper(
                      _momentum(), oracle.reference_dynamic(2.0**10, 2))):
         graph, inputs, train_op, state, init = _mirrored_train(
-            make, strategies.mirrored(2))
+            make, training.mirrored(2))
         rng = np.random.default_rng(7)
         batches = [np.stack([tf1_graphs.feed("finite", rng)
                              for _ in range(2)]) for _ in range(4)]
@@ -431,7 +431,7 @@ def test_mirrored_nan_on_one_replica_skips_on_all_like_tensorflows(
 
 def test_apply_gradients_in_cross_replica_context_raises():
     graph = tf.Graph()
-    with graph.as_default(), strategies.mirrored(2).scope():
+    with graph.as_default(), training.mirrored(2).scope():
         variable = tf.Variable(1.0)
         opt = _ours()()
         with pytest.raises(ValueError, match="replica context"):

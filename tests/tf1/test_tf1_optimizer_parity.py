@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import reference_oracle as oracle
-from tests.support import tf1_graphs
+from tests.helpers import reference_oracle as oracle
+from tests.helpers import tf1_graphs
 import tf_lossscale
 
 SEED = 20_261_124

@@ -1,7 +1,7 @@
 """tf-keras users' journeys, in a process where `tf.keras` is tf-keras.
 
 This process imported Keras 3 first, so the journeys
-(`tests/support/tf_keras_journeys.py`, each checking its results against
+(`tests/scripts/tf_keras_journeys.py`, each checking its results against
 results computed in the same process) run in the session's tf-keras process
 (`TF_USE_LEGACY_KERAS=1`), each as its own test here. A fresh Keras 3 process
 checks that Keras 3 users do not pay for tf-keras: `import tf_lossscale`
@@ -13,8 +13,8 @@ import re
 
 import pytest
 
-from tests.support import paths
-from tests.support import subprocesses
+from tests import helpers
+from tests.helpers import subprocesses
 
 JOURNEYS = [
     "wrapping_tf_keras_and_legacy_optimizers_gives_a_tf_keras_wrapper",
@@ -33,7 +33,7 @@ JOURNEYS = [
 ]
 
 
-_JOURNEYS_MODULE = "tests.support.tf_keras_journeys"
+_JOURNEYS_MODULE = "tests.scripts.tf_keras_journeys"
 
 
 def test_the_module_holds_exactly_these_journeys(tf_keras_interpreter):
@@ -49,7 +49,7 @@ def test_journey(tf_keras_interpreter, journey):
 def test_docs_tf_keras_fit_example_runs_with_tf_keras(tf_keras_interpreter):
     # The README points to this guide; tests/tools/test_docs_examples.py runs
     # its every block too, checking the printed line against its comment.
-    guide = paths.ROOT / "docs" / "guides" / "tf-keras.md"
+    guide = helpers.ROOT / "docs" / "guides" / "tf-keras.md"
     blocks = [block for block in re.findall(r"```python\n(.*?)```",
                                              guide.read_text(), re.DOTALL)
               if block.startswith("# Run with TF_USE_LEGACY_KERAS=1")]

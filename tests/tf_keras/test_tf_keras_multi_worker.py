@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tf_keras
 
-from tests.support import multi_worker_job as job_lib
+from tests.scripts import multi_worker_job as job_lib
 
 pytestmark = [pytest.mark.multi_worker("tf_keras"),
               pytest.mark.xdist_group("multi_worker")]

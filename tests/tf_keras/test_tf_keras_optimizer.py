@@ -16,9 +16,9 @@ import tensorflow as tf
 import tf_keras
 
 from tests.fixtures import make_fixtures
-from tests.support import reference_oracle as oracle
-from tests.support import strategies
-from tests.support.variables import values_of
+from tests.helpers import reference_oracle as oracle
+from tests.helpers import training
+from tests.helpers.training import values_of
 import tf_lossscale
 from tf_lossscale.tf_keras import loss_scale_optimizer as tf_keras_optimizer
 
@@ -298,7 +298,7 @@ def test_checkpoints_of_tf_keras_wrapper_restore_both_ways(
 
 
 def test_nan_on_one_replica_is_skipped_on_every_replica():
-    strategy = strategies.mirrored(4)
+    strategy = training.mirrored(4)
     with strategy.scope():
         model = _model()
         optimizer = tf_lossscale.LossScaleOptimizer(

@@ -18,7 +18,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from tests.support import paths
+from tests import helpers
 import tf_lossscale
 from tf_lossscale.tf_keras import loss_scale_optimizer as tf_keras_optimizer
 
@@ -33,7 +33,7 @@ _WRAPPERS = {
     "theirs": tf_keras.mixed_precision.LossScaleOptimizer,
     "ours": tf_lossscale.LossScaleOptimizer,
 }
-_REPO = str(paths.ROOT)
+_REPO = str(helpers.ROOT)
 
 
 def _nan_in_last(grads_and_vars):

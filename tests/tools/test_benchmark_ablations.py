@@ -15,10 +15,10 @@ import keras
 import pytest
 import tensorflow as tf
 
-from tests.support import paths
-from tests.support import strategies
+from tests import helpers
+from tests.helpers import training
 
-sys.path.insert(0, str(paths.ROOT / "benchmarks"))
+sys.path.insert(0, str(helpers.ROOT / "benchmarks"))
 
 from lsbench import ablations  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench import op_counts  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -38,7 +38,7 @@ def _traced(make, where, strategy=None):
                          ids=lambda a: a.feature.replace(" ", "_"))
 def test_each_ablation_removes_the_ops_it_claims_from_the_traced_step(
         ablation):
-    strategy = (strategies.mirrored(2) if ablation.where == "replicas"
+    strategy = (training.mirrored(2) if ablation.where == "replicas"
                 else None)
     full = _traced(ablations.full, ablation.where, strategy)
     ablated = _traced(ablation.make, ablation.where, strategy)

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from tests.support import paths
+from tests import helpers
 
-sys.path.insert(0, str(paths.ROOT / "benchmarks"))
+sys.path.insert(0, str(helpers.ROOT / "benchmarks"))
 
 import loss_scale_benchmark  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench import ablations  # pylint: disable=g-import-not-at-top,wrong-import-position

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import paths
+from tests import helpers
 import tf_lossscale
 from tf_lossscale import demo
 from tf_lossscale.demo import __main__ as command_line
@@ -28,7 +28,7 @@ from tf_lossscale.demo import training
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
 
-_CONFIGS = paths.ROOT / "configs"
+_CONFIGS = helpers.ROOT / "configs"
 _SUMMARY = re.compile(
     r"^final loss scale: (?P<scale>\S+), skipped steps: (?P<skipped>\d+), "
     r"weights finite: (?P<finite>True|False)$")

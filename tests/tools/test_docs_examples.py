@@ -20,9 +20,9 @@ import re
 
 import pytest
 
-from tests.support import paths
+from tests import helpers
 
-_DOCS = paths.ROOT / "docs"
+_DOCS = helpers.ROOT / "docs"
 _PAGES = sorted(_DOCS.rglob("*.md"))
 
 
@@ -63,10 +63,11 @@ def test_examples_cover_the_loss_scales_and_keras():
                for _, block in _RUNNABLE)
 
 
-@pytest.mark.parametrize(
-    "page, block", _RUNNABLE,
-    ids=[f"{_name(page)}-{index}" for index, (page, _)
-         in enumerate(_RUNNABLE)])
+@pytest.mark.parametrize("page, block", [
+    pytest.param(page, block, id=f"{_name(page)}-{index}", marks=[
+        pytest.mark.xdist_group("tf_keras_interpreter")]
+                 if block.startswith(_LEGACY_KERAS) else [])
+    for index, (page, block) in enumerate(_RUNNABLE)])
 def test_docs_example_runs_and_prints_what_it_says(page, block, request):
     prints = [line for line in block.splitlines()
               if re.match(r"\s*print\(", line)]

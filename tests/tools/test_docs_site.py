@@ -15,10 +15,10 @@ import pathlib
 import pkgutil
 import re
 
-from tests.support import paths
+from tests import helpers
 import tf_lossscale
 
-_ROOT = paths.ROOT
+_ROOT = helpers.ROOT
 _DOCS = _ROOT / "docs"
 
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import paths
+from tests import helpers
 
-sys.path.insert(0, str(paths.ROOT / "benchmarks"))
+sys.path.insert(0, str(helpers.ROOT / "benchmarks"))
 
 from lsbench import context as context_module  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench import gradient_sets  # pylint: disable=g-import-not-at-top,wrong-import-position

@@ -23,7 +23,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from tests.support import strategies
+from tests.helpers import training
 import tf_lossscale
 from tf_lossscale._internal import private_api
 
@@ -360,7 +360,7 @@ def test_tf1_use_locking_reads_back():
 def test_variable_key_is_one_for_all_replicas():
     api = "Variable._unique_id (of a MirroredVariable: its primary's)"
     entry = "variable_key"
-    strategy = strategies.mirrored(2)
+    strategy = training.mirrored(2)
     with strategy.scope():
         first, second = tf.Variable(1.0), tf.Variable(2.0)
     keys = [_call(api, entry, private_api.variable_key, v)
@@ -590,7 +590,7 @@ def test_tf_keras_aggregate_legacy_aggregates_across_replicas():
     api = ("tf_keras legacy OptimizerV2._transform_unaggregated_gradients/"
            "_aggregate_gradients")
     entry = "tf_keras_aggregate_legacy"
-    strategy = strategies.mirrored(2)
+    strategy = training.mirrored(2)
     with strategy.scope():
         variable = tf.Variable([0.0, 0.0])
         optimizer = tf_keras.optimizers.legacy.SGD(0.1)

@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from tests.support import paths
+from tests import helpers
 
-_README = paths.ROOT / "README.md"
+_README = helpers.ROOT / "README.md"
 _BLOCKS = re.findall(r"```python\n(.*?)```", _README.read_text(), re.DOTALL)
 _RUNNABLE = [block for block in _BLOCKS if block.startswith("import ")]
 

@@ -32,11 +32,11 @@ import warnings
 import pytest
 import tensorflow as tf
 
-from tests.support import paths
+from tests import helpers
 import tf_lossscale
 from tf_lossscale._internal import versions
 
-_ROOT = paths.ROOT
+_ROOT = helpers.ROOT
 _README = (_ROOT / "README.md").read_text()
 _PACKAGE_ROOT = str(pathlib.Path(tf_lossscale.__file__).parent.parent)
 
@@ -463,7 +463,7 @@ def test_the_test_extra_brings_the_full_tensorflow_distribution():
     test_extra = _setup_arguments()["extras_require"]["test"]
     assert "tensorflow" + _RANGE in test_extra
     assert not [r for r in test_extra if r.startswith("tensorflow-cpu")]
-    assert {"pytest", "matplotlib"} <= {_requirement_name(r)
+    assert {"pytest", "pytest-xdist", "matplotlib"} <= {_requirement_name(r)
                                         for r in test_extra}
 
 

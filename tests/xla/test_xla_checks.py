@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import data
-from tests.support import keras_models
-from tests.support import policy_runs as runs
+from tests.helpers import training
+from tests.helpers import models
+from tests.helpers import policy_runs as runs
 import tf_lossscale
 
 _NAN = float("nan")
@@ -83,7 +83,7 @@ def test_later_watched_fits_still_raise_and_resume_after_the_error():
     loss_scale = tf_lossscale.DynamicLossScale(
         initial_loss_scale=1, on_min_loss_scale="raise")
     model, optimizer = runs.compiled(loss_scale, runs.FIT_MODES["xla"])
-    x, y = data.normal_data(runs.BATCH_SIZE)
+    x, y = training.normal_data(runs.BATCH_SIZE)
     runs.fit(model, x, y)
     weights = [w.numpy() for w in model.weights]
     x_nan = np.concatenate([x, x])
@@ -103,7 +103,7 @@ def test_custom_xla_step_of_two_steps_raises_after_the_call_unchanged():
     # A custom loop's XLA function running two optimizer steps per call:
     # NaN at the floor, then a finite batch the failure keeps from applying.
     keras.mixed_precision.set_global_policy("mixed_float16")
-    model = keras_models.tiny_model()
+    model = models.tiny_model()
     loss_scale = tf_lossscale.DynamicLossScale(
         initial_loss_scale=1, on_min_loss_scale="raise")
     optimizer = tf_lossscale.LossScaleOptimizer(
@@ -122,7 +122,7 @@ def test_custom_xla_step_of_two_steps_raises_after_the_call_unchanged():
         one_step(x_first, y)
         one_step(x_second, y)
 
-    x, y = data.normal_data(runs.BATCH_SIZE)
+    x, y = training.normal_data(runs.BATCH_SIZE)
     x_nan = x.copy()
     x_nan[0, 0] = _NAN
     compiled = tf.function(two_steps, jit_compile=True)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import keras_models
+from tests.helpers import models
 import tf_lossscale
 from tf_lossscale.loss_scales import xla_record
 
@@ -42,7 +42,7 @@ def reads(monkeypatch):
 
 
 def _compiled(jit_compile=True, steps_per_execution=1, **loss_scale_args):
-    model = keras_models.tiny_model()
+    model = models.tiny_model()
     optimizer = tf_lossscale.LossScaleOptimizer(
         keras.optimizers.SGD(0.1),
         loss_scale=tf_lossscale.DynamicLossScale(**loss_scale_args))

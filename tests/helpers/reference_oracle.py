@@ -365,59 +365,92 @@ def _single_template(sequence):
 
 def run_tf_function(factories, sequence):
     """Steps with one `tf.function` that updates every loss scale."""
-    template = _single_template(sequence)
-    loss_scales = [factory() for factory in factories]
-    update_ops = [None] * len(loss_scales)
+    return run_tf_function_together([(factories, sequence)])[0]
+
+
+def run_tf_function_together(runs):
+    """`run_tf_function` of each `(factories, sequence)` in `runs`, all
+    stepped by one `tf.function` (one trace): the sequences must have one
+    length. Each `Run`'s `trace_count` is that function's."""
+    templates = [_single_template(sequence) for _, sequence in runs]
+    loss_scales = [[factory() for factory in factories]
+                   for factories, _ in runs]
+    update_ops = [[None] * len(group) for group in loss_scales]
 
     @tf.function
     def step(tensors):
-        grads = assemble_gradients(template, tensors)
-        results = []
-        for i, loss_scale in enumerate(loss_scales):
-            update_ops[i], should_apply = loss_scale.update(grads)
-            results.append(tf.convert_to_tensor(should_apply))
-        return results
+        flags, scales = [], []
+        for j, group in enumerate(loss_scales):
+            grads = assemble_gradients(templates[j], tensors[j])
+            for i, loss_scale in enumerate(group):
+                update_ops[j][i], should_apply = loss_scale.update(grads)
+                flags.append(tf.convert_to_tensor(should_apply))
+        # Read after every update: automatic control dependencies order each
+        # read after the assignments to its variables.
+        for group in loss_scales:
+            scales.extend(loss_scale() for loss_scale in group)
+        return tf.stack(flags), tf.stack(scales)
 
-    scales = [[] for _ in loss_scales]
-    flags = [[] for _ in loss_scales]
-    for _, values in sequence.steps:
-        step_flags = step([tf.constant(value) for value in values])
-        for i, loss_scale in enumerate(loss_scales):
-            flags[i].append(_flag_value(step_flags[i]))
-            scales[i].append(loss_scale().numpy())
-    return Run(scales, flags, update_ops,
-               trace_count=step.experimental_get_tracing_count())
+    flags, scales = [], []
+    for steps in zip(*(sequence.steps for _, sequence in runs)):
+        step_flags, step_scales = step(
+            [[tf.constant(value) for value in values] for _, values in steps])
+        flags.append(step_flags.numpy())
+        scales.append(step_scales.numpy())
+    return _split_runs(loss_scales, scales, flags, update_ops,
+                       step.experimental_get_tracing_count())
+
+
+def _split_runs(loss_scales, scales, flags, update_ops, trace_count=None):
+    """One `Run` per group of `loss_scales` from [step, loss scale] rows."""
+    scales = np.array(scales, np.float32).T
+    flags = np.array(flags, bool).T
+    runs, first = [], 0
+    for group, ops in zip(loss_scales, update_ops):
+        last = first + len(group)
+        runs.append(Run(scales[first:last], flags[first:last], ops,
+                        trace_count))
+        first = last
+    return runs
 
 
 def run_tf1_graph(factories, sequence):
     """Builds the update ops once in a `tf.Graph`, runs them once per step."""
-    template = _single_template(sequence)
+    return run_tf1_graph_together([(factories, sequence)])[0]
+
+
+def run_tf1_graph_together(runs):
+    """`run_tf1_graph` of each `(factories, sequence)` in `runs`, all in one
+    graph and `Session`: the sequences must have one length."""
     with tf.Graph().as_default():
-        placeholders = [
-            tf.compat.v1.placeholder(spec.dtype, spec.values_shape)
-            for spec in template_leaves(template)
-        ]
-        grads = assemble_gradients(template, placeholders)
-        loss_scales = [factory() for factory in factories]
-        updates = [loss_scale.update(grads) for loss_scale in loss_scales]
-        update_ops = [update_op for update_op, _ in updates]
-        flag_tensors = [tf.convert_to_tensor(flag) for _, flag in updates]
-        reads = [loss_scale() for loss_scale in loss_scales]
+        placeholders, loss_scales, updates = [], [], []
+        for factories, sequence in runs:
+            template = _single_template(sequence)
+            leaves = [tf.compat.v1.placeholder(spec.dtype, spec.values_shape)
+                      for spec in template_leaves(template)]
+            grads = assemble_gradients(template, leaves)
+            group = [factory() for factory in factories]
+            placeholders.append(leaves)
+            loss_scales.append(group)
+            updates.append([loss_scale.update(grads) for loss_scale in group])
+        update_ops = [[op for op, _ in group] for group in updates]
+        flag_tensors = [tf.convert_to_tensor(flag)
+                        for group in updates for _, flag in group]
+        reads = [loss_scale() for group in loss_scales for loss_scale in group]
         init = tf.compat.v1.global_variables_initializer()
         scales, flags = [], []
         with tf.compat.v1.Session() as session:
             session.run(init)
-            for _, values in sequence.steps:
-                _, step_flags = session.run(
-                    [update_ops, flag_tensors],
-                    feed_dict=dict(zip(placeholders, values)))
+            for steps in zip(*(sequence.steps for _, sequence in runs)):
+                feed = {}
+                for leaves, (_, values) in zip(placeholders, steps):
+                    feed.update(zip(leaves, values))
+                _, step_flags = session.run([update_ops, flag_tensors], feed)
                 # A separate run: inside one run the read may precede the
                 # assignment.
                 scales.append(session.run(reads))
                 flags.append(step_flags)
-    scales = np.array(scales, np.float32).reshape(-1, len(factories))
-    flags = np.array(flags, bool).reshape(-1, len(factories))
-    return Run(scales.T, flags.T, update_ops)
+    return _split_runs(loss_scales, scales, flags, update_ops)
 
 
 RUNNERS = {

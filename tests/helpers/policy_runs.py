@@ -1,6 +1,6 @@
 """Keras runs that fail on purpose: the failure policy's and the XLA checks'.
 
-A mixed_float16 `keras_models.tiny_model()` with SGD(0.1) in a
+A mixed_float16 `models.tiny_model()` with SGD(0.1) in a
 `LossScaleOptimizer`, trained by `fit` with the `XlaChecks` callback in each
 of `FIT_MODES`, on batches of `BATCH_SIZE` whose NaN makes every gradient
 non-finite.
@@ -11,8 +11,8 @@ import re
 import keras
 import numpy as np
 
-from tests.support import data
-from tests.support import keras_models
+from tests.helpers import training
+from tests.helpers import models
 import tf_lossscale
 
 BATCH_SIZE = 8
@@ -34,7 +34,7 @@ def scale_state(loss_scale):
 
 def nan_batches(num_batches):
     """`num_batches` copies of one batch, each with a NaN input."""
-    x, y = data.normal_data(BATCH_SIZE)
+    x, y = training.normal_data(BATCH_SIZE)
     x = np.tile(x, (num_batches, 1))
     y = np.tile(y, (num_batches, 1))
     x[::BATCH_SIZE, 0] = np.nan
@@ -45,7 +45,7 @@ def compiled(loss_scale, compile_args):
     """The model and its optimizer, compiled with `compile_args` under the
     mixed_float16 policy (the caller's test gives the policy back)."""
     keras.mixed_precision.set_global_policy("mixed_float16")
-    model = keras_models.tiny_model()
+    model = models.tiny_model()
     optimizer = tf_lossscale.LossScaleOptimizer(
         keras.optimizers.SGD(0.1), loss_scale=loss_scale)
     model.compile(optimizer, "mse", **compile_args)

@@ -17,8 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_lossscale
-from tests.support import data
-from tests.support import strategies
+from tests.helpers import training
 
 keras = tf.keras
 JOURNEYS = {}
@@ -47,7 +46,7 @@ def _ours(inner, initial=2.0**10, period=1000):
 def _fit(optimizer, nan_batches=(), callbacks=(), batches=6, model=None):
     model = model or _model()
     model.compile(optimizer=optimizer, loss="mse")
-    x, y = data.summed_data(8, batches, nan_batches=nan_batches, nan_row=-1)
+    x, y = training.summed_data(8, batches, nan_batches=nan_batches, nan_row=-1)
     history = model.fit(x, y, batch_size=8, shuffle=False, verbose=0,
                         callbacks=list(callbacks))
     return model, history
@@ -105,7 +104,7 @@ def fit_skips_a_non_finite_step_leaving_weights_slots_and_iterations():
         assert int(optimizer.iterations) == 5
         assert float(optimizer.loss_scale()) == 2.0**9
         # Training the five finite batches only gives the same state.
-        x, y = data.summed_data(8, 6, nan_batches=[2], nan_row=-1)
+        x, y = training.summed_data(8, 6, nan_batches=[2], nan_row=-1)
         keep = np.isfinite(x).all(axis=1)
         keep[16:24] = False
         clean = _model()
@@ -131,7 +130,7 @@ def custom_loop_and_minimize_skip_non_finite_steps():
                 tape.gradient(scaled, model.trainable_variables))
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
-        x, y = data.summed_data(8, 3, nan_batches=[1], nan_row=-1)
+        x, y = training.summed_data(8, 3, nan_batches=[1], nan_row=-1)
         step(x[:8], y[:8])
         before = [v.numpy() for v in model.weights] + _optimizer_values(
             optimizer)
@@ -153,7 +152,7 @@ def custom_loop_and_minimize_skip_non_finite_steps():
 
 @journey
 def fit_under_mirrored_strategy_skips_a_nan_on_one_replica():
-    strategy = strategies.mirrored(4)
+    strategy = training.mirrored(4)
     for make_inner in (lambda: keras.optimizers.SGD(0.05, momentum=0.9),
                        lambda: keras.optimizers.legacy.SGD(0.05,
                                                            momentum=0.9)):
@@ -330,7 +329,7 @@ def xla_fit_needs_a_watcher_for_the_failure_policy():
     optimizer = tf_lossscale.LossScaleOptimizer(keras.optimizers.SGD(0.01),
                                                 loss_scale=loss_scale)
     model.compile(optimizer=optimizer, loss="mse", jit_compile=True)
-    x, y = data.summed_data(8, 6)
+    x, y = training.summed_data(8, 6)
     weights = model.get_weights()
     try:
         model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
@@ -345,7 +344,7 @@ def xla_fit_needs_a_watcher_for_the_failure_policy():
     model.fit(x, y, batch_size=8, shuffle=False, verbose=0,
               callbacks=[checks])
     weights = model.get_weights()
-    x, y = data.summed_data(8, 2, nan_batches=[0], nan_row=-1)
+    x, y = training.summed_data(8, 2, nan_batches=[0], nan_row=-1)
     try:
         model.fit(x, y, batch_size=8, shuffle=False, verbose=0,
                   callbacks=[checks])
@@ -390,7 +389,7 @@ def loss_scale_state_from_a_file_is_checked_field_by_field():
     loaded = keras.models.load_model(path)
     assert int(loaded.optimizer.loss_scale.variables[2].numpy()) == -1
     try:
-        loaded.fit(*data.summed_data(8), batch_size=8, verbose=0)
+        loaded.fit(*training.summed_data(8), batch_size=8, verbose=0)
     except tf.errors.InvalidArgumentError as error:
         assert "hysteresis_remaining" in str(error), error
         assert "-1" in str(error), error

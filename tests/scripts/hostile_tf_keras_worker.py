@@ -24,10 +24,10 @@ import tf_lossscale  # pylint: disable=g-import-not-at-top
 from tf_lossscale._internal import checks  # pylint: disable=g-import-not-at-top
 
 # Run as a script: the repository's root first on the path, for
-# `tests.support`.
+# `tests.helpers`.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
-from tests.support import hostile_values  # pylint: disable=g-import-not-at-top
+from tests.helpers import hostile_values  # pylint: disable=g-import-not-at-top
 
 keras = tf.keras
 KINDS = {

@@ -1,8 +1,19 @@
-"""The model the monitor tests train: what `LossScaleMonitor` reports on."""
+"""The Keras 3 models the tests train: tiny and seeded, so that every weight
+can be compared exactly."""
 
 import keras
 
 import tf_lossscale
+
+
+def tiny_model(seed=0, hidden_units=4):
+    """Dense(hidden_units) then Dense(1) on 3 features, seeded weights."""
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((3,)),
+        keras.layers.Dense(hidden_units),
+        keras.layers.Dense(1),
+    ])
 
 
 def mixed_float16_model(initial_scale, jit_compile=False,

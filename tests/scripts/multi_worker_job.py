@@ -27,10 +27,10 @@ import traceback
 import numpy as np
 import tensorflow as tf
 
-from tests.support import multi_worker_keras_worker as keras_worker
-from tests.support import multi_worker_loss_scale_worker as loss_scale_worker
-from tests.support import reference_oracle
-from tests.support import subprocesses
+from tests.scripts import multi_worker_keras_worker as keras_worker
+from tests.scripts import multi_worker_loss_scale_worker as loss_scale_worker
+from tests.helpers import reference_oracle
+from tests.helpers import subprocesses
 
 NUM_WORKERS = 2
 # A bound for a hung job (a worker waiting for a dead peer), not a speed

@@ -25,11 +25,11 @@ tf.config.set_logical_device_configuration(
 import tf_lossscale  # pylint: disable=g-import-not-at-top
 
 # Run as a script: the repository's root first on the path, for
-# `tests.support`.
+# `tests.helpers`.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
-from tests.support import float16_models  # pylint: disable=g-import-not-at-top
-from tests.support import strategies  # pylint: disable=g-import-not-at-top
+from tests.helpers import float16_models  # pylint: disable=g-import-not-at-top
+from tests.helpers import training  # pylint: disable=g-import-not-at-top
 
 keras = tf.keras
 CHECKS = {}
@@ -87,7 +87,7 @@ def diagnosis_leaves_the_model_as_it_was():
 
 @check
 def under_mirrored_layer_figures_are_the_whole_batchs():
-    with strategies.mirrored(2).scope():
+    with training.mirrored(2).scope():
         distributed = float16_models.underflowing_model(keras)
     single = float16_models.underflowing_model(keras)
     data = float16_models.underflowing_data()
@@ -111,7 +111,7 @@ def _fit(model, data):
 
 @check
 def fix_under_mirrored_keeps_float16_after_the_normalization():
-    strategy = strategies.mirrored(2)
+    strategy = training.mirrored(2)
     with strategy.scope():
         model = float16_models.normalized_model(keras)
     variables = model.trainable_variables

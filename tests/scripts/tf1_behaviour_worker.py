@@ -19,12 +19,12 @@ import tensorflow as tf
 tf.compat.v1.disable_v2_behavior()
 
 # Run as a script: the repository's root first on the path, for
-# `tests.support`.
+# `tests.helpers`.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
-from tests.support import reference_oracle as oracle  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tests.support import tf1_graphs  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tests.helpers import reference_oracle as oracle  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tests.helpers import tf1_graphs  # pylint: disable=g-import-not-at-top,wrong-import-position
 import tf_lossscale  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _KINDS = ["finite", "nan", "inf", "finite", "finite"]

@@ -1,7 +1,7 @@
 """Running Python in processes of their own and reading what they answer.
 
 Tests that need another process (tf-keras as `tf.keras`, TF1 behaviour, a
-process-wide switch) run a script of `tests/support/` or a `-c` program in
+process-wide switch) run a script of `tests/scripts/` or a `-c` program in
 one: the package and this repository first on `PYTHONPATH`, TensorFlow's
 log quiet, the value printed as JSON on the last line of stdout returned.
 Tests that only need `tf.keras` to be tf-keras share one `Interpreter`
@@ -19,7 +19,7 @@ import threading
 
 import tf_lossscale
 
-from tests.support import paths
+from tests import helpers
 
 # Bounds a hung process, not a speed requirement.
 TIMEOUT_SECONDS = 600
@@ -33,18 +33,18 @@ def environment(**extra_env):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     env.update(extra_env)
     env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (package_root, str(paths.ROOT), env.get("PYTHONPATH")) if p)
+        p for p in (package_root, str(helpers.ROOT), env.get("PYTHONPATH")) if p)
     return env
 
 
 def run_json(args, timeout=TIMEOUT_SECONDS, **extra_env):
-    """Runs `python *args` from tests/support/ with `extra_env` added to the
+    """Runs `python *args` from tests/scripts/ with `extra_env` added to the
     environment; returns the JSON value of its last stdout line.
 
     Fails the test with the end of the process' stderr if it exits non-zero.
     """
     done = subprocess.run([sys.executable] + list(args),
-                          env=environment(**extra_env), cwd=paths.SUPPORT,
+                          env=environment(**extra_env), cwd=helpers.SCRIPTS,
                           capture_output=True, text=True, timeout=timeout,
                           check=False)
     assert done.returncode == 0, done.stderr[-_STDERR_TAIL_CHARS:]
@@ -52,12 +52,12 @@ def run_json(args, timeout=TIMEOUT_SECONDS, **extra_env):
 
 
 def run_script(name, timeout=TIMEOUT_SECONDS, **extra_env):
-    """`run_json` of the script `tests/support/<name>`."""
-    return run_json([paths.script(name)], timeout=timeout, **extra_env)
+    """`run_json` of the script `tests/scripts/<name>`."""
+    return run_json([str(helpers.SCRIPTS / name)], timeout=timeout, **extra_env)
 
 
 class Interpreter:
-    """A process running `tests/support/interpreter.py` with `extra_env`,
+    """A process running `tests/scripts/interpreter.py` with `extra_env`,
     started on the first request and again after it died.
 
     `call` and `run` fail the test with the request's traceback if it
@@ -71,7 +71,7 @@ class Interpreter:
 
     def call(self, function, *args, timeout=TIMEOUT_SECONDS):
         """The JSON value `function(*args)` returns there; `function` is
-        "module:name", e.g. "tests.support.tf_keras_journeys:run"."""
+        "module:name", e.g. "tests.scripts.tf_keras_journeys:run"."""
         return self._ask({"call": function, "args": args}, timeout)["result"]
 
     def run(self, code, name="<run>", timeout=TIMEOUT_SECONDS):
@@ -102,8 +102,8 @@ class Interpreter:
     def _start(self):
         self._stderr = tempfile.TemporaryFile("w+")
         self._process = subprocess.Popen(
-            [sys.executable, paths.script("interpreter.py")], env=self._env,
-            cwd=paths.SUPPORT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, str(helpers.SCRIPTS / "interpreter.py")], env=self._env,
+            cwd=helpers.SCRIPTS, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self._stderr, text=True)
         self._answers = queue.Queue()
         threading.Thread(target=self._read_answers, args=(self._process,),

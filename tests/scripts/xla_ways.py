@@ -32,8 +32,7 @@ import threading
 import numpy as np
 import tensorflow as tf
 
-from tests.support import data
-from tests.support import strategies
+from tests.helpers import training
 import tf_lossscale
 
 WAYS = {}
@@ -55,7 +54,7 @@ def way(fn):
 def _pattern_data(pattern):
     """Batches of 8 for `pattern`: "F" finite, "N" a NaN in the batch; the
     same batch each time, but for the NaN."""
-    x, y = data.normal_data(_BATCH)
+    x, y = training.normal_data(_BATCH)
     xs, ys = [], []
     for kind in pattern:
         batch = x.copy()
@@ -332,7 +331,7 @@ def fit_under_one_device_strategy(keras):
 
 @way
 def fit_under_one_device_mirrored_strategy(keras):
-    _under(keras, strategies.mirrored(1))
+    _under(keras, training.mirrored(1))
 
 
 @way

@@ -2,7 +2,7 @@
 
 For the float16 diagnosis tests, with Keras 3
 (`tests/diagnosis/test_diagnosis.py`) and with tf-keras
-(`tests/support/tf_keras_float16_diagnosis.py`): each builder takes the Keras
+(`tests/scripts/tf_keras_float16_diagnosis.py`): each builder takes the Keras
 module to build with.
 
 * `overflowing_model`: layer "boom" multiplies its inputs by 10**4, so its

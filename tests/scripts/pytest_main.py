@@ -3,7 +3,7 @@
 The BUILD file makes one py_test per `tests/<area>/test_*.py`, each with this
 file as its main and the test file's path as its argument:
 
-        python tests/support/pytest_main.py tests/keras/test_keras_fit.py [...]
+        python tests/scripts/pytest_main.py tests/keras/test_keras_fit.py [...]
 
 It exits with pytest's status, so a failing test fails the Bazel target.
 pytest is run from the runfiles tree, where `pytest.ini` and
@@ -27,7 +27,7 @@ def _keep_script_dir_in_runfiles():
 
     Python puts the directory of the script it runs first on `sys.path`, with
     symlinks resolved. Runfiles are symlinks into the source tree, so under
-    Bazel that entry would be the source tree's tests/support/ instead of the
+    Bazel that entry would be the source tree's tests/scripts/ instead of the
     runfiles' copy, and modules could be imported from outside the runfiles.
     """
     linked = os.path.dirname(os.path.abspath(__file__))
@@ -62,8 +62,9 @@ def pytest_args(argv, environ):
     if len(argv) < 2:
         raise SystemExit("usage: %s TEST_FILE [PYTEST_OPTION...]" % argv[0])
     args = list(argv[1:])
-    # The runfiles tree is not the place for pytest's cache.
-    args += ["-p", "no:cacheprovider"]
+    # The runfiles tree is not the place for pytest's cache. Bazel runs the
+    # targets side by side already: one process each, not pytest.ini's xdist.
+    args += ["-p", "no:cacheprovider", "-n", "0"]
     xml_output = environ.get("XML_OUTPUT_FILE")
     if xml_output:
         args.append("--junitxml=" + xml_output)
