@@ -57,8 +57,7 @@ def _run(argv):
         print(f"loss scale plot: {values.plot}")
     if values.logdir:
         print(f"TensorBoard logs: tensorboard --logdir={values.logdir}")
-    print(result.details())
-    print(result.summary())
+    print(result.details(), result.summary(), sep="\n")
 
 
 if __name__ == "__main__":

@@ -21,19 +21,11 @@ class ConfigError(ValueError):
     """A config key or value, or an option of `run`, that cannot be used."""
 
 
-def loss_scale(identifier):
-    """The `LossScale` a config's "loss_scale" value names."""
-    if identifier is None:
-        raise ValueError("null is not a loss scale")
-    return tf_lossscale.get(identifier)
-
-
 def inner_optimizer(identifier):
     """A new Keras optimizer from a config's "optimizer" value."""
     if not isinstance(identifier, (str, dict)):
         raise TypeError(f"{type(identifier).__name__} is not an optimizer")
-    inner_config = (identifier.get("config")
-                    if isinstance(identifier, dict) else None)
+    inner_config = isinstance(identifier, dict) and identifier.get("config")
     # A second learning rate would leave it unclear which one trains.
     if isinstance(inner_config, dict) and "learning_rate" in inner_config:
         raise ValueError("it sets learning_rate; set it once, in the config "
@@ -59,9 +51,10 @@ def _optional_path(suffix=""):
 
 # What a value must be, and a check that returns whether it is (or raises
 # TypeError/ValueError saying why not). Config keys not listed: ints >= 1.
+# (tf_lossscale.get returns null, false: it names no loss scale.)
 _KINDS = {
     "loss_scale": ("a tf_lossscale.get identifier: a number, 'dynamic' or "
-                   "{'class_name': ..., 'config': {...}}", loss_scale),
+                   "{'class_name': ..., 'config': {...}}", tf_lossscale.get),
     "optimizer": ("a Keras optimizer name or {'class_name': ..., "
                   "'config': {...}} without learning_rate", inner_optimizer),
     "learning_rate": ("a number > 0", lambda value: type(value) in (

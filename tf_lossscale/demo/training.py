@@ -17,18 +17,6 @@ class MissingExtraError(ImportError):
     """An optional package an option needs is not installed."""
 
 
-def require_extra(option, extra, package):
-    """Raises `MissingExtraError` if `package`, which `--option` needs and
-    `extra` installs, is missing."""
-    try:
-        importlib.import_module(package)
-    except ImportError as err:
-        raise MissingExtraError(
-            f"--{option} needs {package}, which is not installed: "
-            f'pip install "tf_lossscale[{extra}]" (in a source checkout: '
-            f'pip install -e ".[{extra}]")') from err
-
-
 def configure_devices(num_devices):
     """Splits the CPU into `num_devices` logical devices unless it has enough
     (possible only before TensorFlow initialises its devices)."""
@@ -83,18 +71,16 @@ def training_dataset(features, labels, batch_size, steps,
 def build_model(config):
     """A one-hidden-layer classifier computing in float16 (`mixed_float16`:
     float32 weights); the process-wide dtype policy is left alone."""
-    inputs = keras.Input((config.input_dim,))
-    hidden = keras.layers.Dense(
-        config.hidden_units, activation="relu", dtype="mixed_float16",
-        kernel_initializer=keras.initializers.GlorotUniform(
-            seed=config.seed))(inputs)
-    logits = keras.layers.Dense(
-        config.num_classes, dtype="mixed_float16",
-        kernel_initializer=keras.initializers.GlorotUniform(
-            seed=config.seed + 1))(hidden)
+    outputs = inputs = keras.Input((config.input_dim,))
+    for seed, (units, activation) in enumerate(
+            [(config.hidden_units, "relu"), (config.num_classes, None)]):
+        outputs = keras.layers.Dense(
+            units, activation, dtype="mixed_float16",
+            kernel_initializer=keras.initializers.GlorotUniform(
+                seed=config.seed + seed))(outputs)
     # float16 probabilities round small ones to 0, and the loss takes logs.
-    probabilities = keras.layers.Activation("softmax", dtype="float32")(logits)
-    return keras.Model(inputs, probabilities)
+    return keras.Model(inputs, keras.layers.Activation(
+        "softmax", dtype="float32")(outputs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,20 +127,23 @@ def run(config, steps=None, num_devices=1, inject_nonfinite_every=0,
     """
     config_lib.check("config", config, "a tf_lossscale.demo.Config",
                      lambda value: isinstance(value, config_lib.Config))
-    for name, value in (("steps", steps), ("num_devices", num_devices),
-                        ("inject_nonfinite_every", inject_nonfinite_every),
-                        ("logdir", logdir), ("plot", plot),
-                        ("log_skips", log_skips)):
-        config_lib.check(name, value, *config_lib.OPTIONS[name])
-    if logdir is not None:
-        require_extra("logdir", "tensorboard", "tensorboard")
-    if plot is not None:
-        require_extra("plot", "plot", "matplotlib")
+    options = locals()  # The arguments, before the body adds names.
+    for name, (kind, is_usable) in config_lib.OPTIONS.items():
+        config_lib.check(name, options[name], kind, is_usable)
+    for option, package, extra in (("logdir", "tensorboard", "tensorboard"),
+                                   ("plot", "matplotlib", "plot")):
+        try:
+            if options[option] is not None:
+                importlib.import_module(package)
+        except ImportError as err:
+            raise MissingExtraError(
+                f"--{option} needs {package}, which is not installed: "
+                f'pip install "tf_lossscale[{extra}]" (in a source checkout: '
+                f'pip install -e ".[{extra}]")') from err
     configure_devices(num_devices)
-    if config.batch_size % num_devices:
-        raise config_lib.ConfigError(
-            f"config key 'batch_size' ({config.batch_size}) must split "
-            f"evenly over num_devices={num_devices}")
+    config_lib.check("config key 'batch_size'", config.batch_size,
+                     f"a multiple of num_devices={num_devices}",
+                     lambda value: value % num_devices == 0)
     steps = config.steps if steps is None else steps
     features, labels = synthetic_data(config)
     strategy = make_strategy(num_devices)
@@ -163,7 +152,7 @@ def run(config, steps=None, num_devices=1, inject_nonfinite_every=0,
         inner = config_lib.inner_optimizer(config.optimizer)
         inner.learning_rate = config.learning_rate
         optimizer = tf_lossscale.LossScaleOptimizer(
-            inner, loss_scale=config_lib.loss_scale(config.loss_scale))
+            inner, loss_scale=tf_lossscale.get(config.loss_scale))
         model.compile(optimizer, loss="sparse_categorical_crossentropy",
                       metrics=["accuracy"])
     logged = [(float(optimizer.loss_scale()), int(optimizer.skipped_steps))]
@@ -204,14 +193,12 @@ def plot_loss_scale(result, path):
     """Writes a PNG of `result`'s loss scale over the steps to `path`, with
     matplotlib's Agg backend (not pyplot), skipped steps marked."""
     # pylint: disable=g-import-not-at-top
-    from matplotlib.backends import backend_agg
     from matplotlib import figure
     # Step k ran with the scale before it, loss_scales[k - 1].
     steps = np.arange(1, len(result.loss_scales))
     used = np.asarray(result.loss_scales[:-1])
     skipped = np.asarray(result.skipped_at, dtype=int)
     fig = figure.Figure(figsize=(8, 3.6), dpi=100, layout="constrained")
-    backend_agg.FigureCanvasAgg(fig)
     axes = fig.add_subplot()
     # Calibration: the skips that run without a break from step 1.
     calibration = next((i for i, step in enumerate(result.skipped_at)
@@ -225,9 +212,9 @@ def plot_loss_scale(result, path):
               label=f"skipped step, scale halved ({len(skipped)})")
     axes.set_yscale("log", base=2)
     axes.set(xlim=(0, len(steps) + 1), ylabel="loss scale (log2 axis)",
-             xlabel="optimizer step (applied or skipped)")
-    axes.set_title(f"{len(steps)} float16 steps: {result.applied_steps} "
-                   f"applied, {result.skipped_steps} skipped")
+             xlabel="optimizer step (applied or skipped)",
+             title=f"{len(steps)} float16 steps: {result.applied_steps} "
+             f"applied, {result.skipped_steps} skipped")
     axes.grid(True, which="major", alpha=0.3)
     axes.legend(loc="upper right")
     pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
