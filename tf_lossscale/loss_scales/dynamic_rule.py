@@ -142,8 +142,8 @@ class DynamicArguments(NamedTuple):
     """`DynamicLossScale`'s constructor arguments, checked."""
     initial_loss_scale: float
     rule: DynamicRule
-    on_min_loss_scale: str
-    max_consecutive_skips: Optional[int]
+    on_min_loss_scale: str = "continue"
+    max_consecutive_skips: Optional[int] = None
 
 
 def checked_arguments(initial_loss_scale, increment_period, multiplier,
@@ -177,11 +177,8 @@ def checked_arguments(initial_loss_scale, increment_period, multiplier,
         "on_min_loss_scale", on_min_loss_scale, failure_policy.POLICIES)
     skip_limit = checks.optional_positive_int(
         "max_consecutive_skips", max_consecutive_skips)
-    rule = DynamicRule(
-        increment_period=period, multiplier=factor,
-        backoff_factor=backoff_factor, min_loss_scale=floor,
-        max_loss_scale=max_loss_scale, hysteresis=budget,
-        consecutive_hysteresis=consecutive)
+    rule = DynamicRule(period, factor, backoff_factor, floor, max_loss_scale,
+                       budget, consecutive)
     return DynamicArguments(initial, rule, policy, skip_limit)
 
 
@@ -189,22 +186,11 @@ def config_of(arguments):
     """`DynamicLossScale.get_config()` of `arguments`: TensorFlow's three
     keys, then the others that differ from their defaults (so a default
     config is TensorFlow's)."""
-    rule = arguments.rule
-    config = {
-        "initial_loss_scale": arguments.initial_loss_scale,
-        "increment_period": rule.increment_period,
-        "multiplier": rule.multiplier,
-    }
-    optional = {
-        "backoff_factor": (rule.backoff_factor, None),
-        "min_loss_scale": (rule.min_loss_scale, 1.0),
-        "max_loss_scale": (rule.max_loss_scale, None),
-        "hysteresis": (rule.hysteresis, 1),
-        "consecutive_hysteresis": (rule.consecutive_hysteresis, False),
-        "on_min_loss_scale": (arguments.on_min_loss_scale, "continue"),
-        "max_consecutive_skips": (arguments.max_consecutive_skips, None),
-    }
-    for name, (value, default) in optional.items():
-        if value != default:
-            config[name] = value
-    return config
+    values = {"initial_loss_scale": arguments.initial_loss_scale,
+              **arguments.rule._asdict(),
+              **arguments._asdict()}
+    defaults = {**DynamicRule._field_defaults,
+                **DynamicArguments._field_defaults}
+    return {name: value for name, value in values.items()
+            if name != "rule"
+            and (name not in defaults or value != defaults[name])}
