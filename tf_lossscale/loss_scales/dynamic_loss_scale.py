@@ -156,9 +156,7 @@ class DynamicLossScale(loss_scale.LossScale):
         """Consecutive finite steps since the scale last changed (int64)."""
         return tf.convert_to_tensor(self._good_steps)
 
-    @property
-    def _needs_finiteness(self):
-        return True
+    _needs_finiteness = True
 
     def __call__(self):
         """The current scale; eagerly, first raises what XLA steps left to

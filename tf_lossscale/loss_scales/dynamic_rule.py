@@ -120,18 +120,17 @@ def next_dynamic_state(state, is_finite, rule):
 
 def _check_bounds(initial, floor, floor_is_explicit, ceiling):
     """The cross-argument checks, on the float32 values the state will hold."""
-    as_f32 = np.float32
-    if floor_is_explicit and as_f32(floor) > as_f32(initial):
+    if floor_is_explicit and np.float32(floor) > np.float32(initial):
         raise ValueError(
             f"min_loss_scale must be <= initial_loss_scale, got "
             f"min_loss_scale={floor!r} and initial_loss_scale={initial!r}")
     if ceiling is None:
         return
-    if as_f32(ceiling) < as_f32(initial):
+    if np.float32(ceiling) < np.float32(initial):
         raise ValueError(
             f"max_loss_scale must be >= initial_loss_scale, got "
             f"max_loss_scale={ceiling!r} and initial_loss_scale={initial!r}")
-    if as_f32(ceiling) < as_f32(floor):
+    if np.float32(ceiling) < np.float32(floor):
         which = "" if floor_is_explicit else " (its default)"
         raise ValueError(
             f"max_loss_scale must be >= min_loss_scale, got "

@@ -201,10 +201,8 @@ class FixedLossScale(LossScale):
     def skip_non_finite(self):
         return self._skip_non_finite
 
-    @property
-    def _needs_finiteness(self):
-        """Whether `update` looks at the gradients at all."""
-        return self._skip_non_finite
+    # Whether `update` looks at the gradients at all.
+    _needs_finiteness = skip_non_finite
 
     def __call__(self):
         return tf.constant(self._loss_scale_value, dtype=tf.float32)
@@ -223,10 +221,8 @@ class FixedLossScale(LossScale):
         return graph_op(tf.no_op()), should_apply
 
     def get_config(self):
-        config = {"loss_scale_value": self._loss_scale_value}
-        if self._skip_non_finite:
-            config["skip_non_finite"] = True
-        return config
+        skip = {"skip_non_finite": True} if self._skip_non_finite else {}
+        return {"loss_scale_value": self._loss_scale_value, **skip}
 
     def __repr__(self):
         skip = ", skip_non_finite=True" if self._skip_non_finite else ""

@@ -165,8 +165,7 @@ class StepRecord:
         values = tf.where(
             refused_now, _values(state),
             tf.where(failed_now, _values(new_state), record[_SCALE:_SKIPS + 1]))
-        warns = (at_floor if self.policy == "warn"
-                 else tf.constant(False))
+        warns = at_floor if self.policy == "warn" else tf.constant(False)
         warning = tf.where(
             warns,
             tf.stack([record[_WARNINGS] + 1, _bits(new_state.scale), skips]),
