@@ -113,10 +113,7 @@ class DynamicLossScale(loss_scale.LossScale):
             initial_loss_scale, increment_period, multiplier, backoff_factor,
             min_loss_scale, max_loss_scale, hysteresis,
             consecutive_hysteresis, on_min_loss_scale, max_consecutive_skips)
-        initial, rule = arguments.initial_loss_scale, arguments.rule
-        policy = arguments.on_min_loss_scale
-        skip_limit = arguments.max_consecutive_skips
-        budget, floor = rule.hysteresis, rule.min_loss_scale
+        rule = arguments.rule
         replicas.check_supported()
         super().__init__()
         self._eager_lock = _EagerLock()
@@ -126,22 +123,22 @@ class DynamicLossScale(loss_scale.LossScale):
         # Variable order is part of the saved format (.keras files store the
         # loss scale's variables by index): new state goes last.
         self._current_loss_scale = self._add_state_variable(
-            "current_loss_scale", initial, tf.float32)
+            "current_loss_scale", arguments.initial_loss_scale, tf.float32)
         self._good_steps = self._add_state_variable(
             "good_steps", 0, tf.int64)
         self._hysteresis_remaining = None
-        if budget > 1:
+        if rule.hysteresis > 1:
             self._hysteresis_remaining = self._add_state_variable(
-                "hysteresis_remaining", budget, tf.int64)
+                "hysteresis_remaining", rule.hysteresis, tf.int64)
         self._consecutive_skips = None
-        if policy != "continue" or skip_limit is not None:
+        if failure_policy.needs_host(arguments.on_min_loss_scale,
+                                     arguments.max_consecutive_skips):
             self._consecutive_skips = self._add_state_variable(
                 "consecutive_skips", 0, tf.int64)
         # Not state: never saved.
         self._xla_record = xla_record.StepRecord(
-            self._state_variables, floor,
-            budget if self._hysteresis_remaining is not None else None,
-            policy, skip_limit)
+            self._state_variables, rule.min_loss_scale, rule.hysteresis,
+            arguments.on_min_loss_scale, arguments.max_consecutive_skips)
 
     initial_loss_scale = _checked("_arguments", "initial_loss_scale")
     increment_period = _checked("_rule", "increment_period")
@@ -159,9 +156,7 @@ class DynamicLossScale(loss_scale.LossScale):
         """Consecutive finite steps since the scale last changed (int64)."""
         return tf.convert_to_tensor(self._good_steps)
 
-    @property
-    def _needs_finiteness(self):
-        return True
+    _needs_finiteness = True
 
     def __call__(self):
         """The current scale; eagerly, first raises what XLA steps left to

@@ -120,18 +120,17 @@ def next_dynamic_state(state, is_finite, rule):
 
 def _check_bounds(initial, floor, floor_is_explicit, ceiling):
     """The cross-argument checks, on the float32 values the state will hold."""
-    as_f32 = np.float32
-    if floor_is_explicit and as_f32(floor) > as_f32(initial):
+    if floor_is_explicit and np.float32(floor) > np.float32(initial):
         raise ValueError(
             f"min_loss_scale must be <= initial_loss_scale, got "
             f"min_loss_scale={floor!r} and initial_loss_scale={initial!r}")
     if ceiling is None:
         return
-    if as_f32(ceiling) < as_f32(initial):
+    if np.float32(ceiling) < np.float32(initial):
         raise ValueError(
             f"max_loss_scale must be >= initial_loss_scale, got "
             f"max_loss_scale={ceiling!r} and initial_loss_scale={initial!r}")
-    if as_f32(ceiling) < as_f32(floor):
+    if np.float32(ceiling) < np.float32(floor):
         which = "" if floor_is_explicit else " (its default)"
         raise ValueError(
             f"max_loss_scale must be >= min_loss_scale, got "
@@ -142,8 +141,8 @@ class DynamicArguments(NamedTuple):
     """`DynamicLossScale`'s constructor arguments, checked."""
     initial_loss_scale: float
     rule: DynamicRule
-    on_min_loss_scale: str
-    max_consecutive_skips: Optional[int]
+    on_min_loss_scale: str = "continue"
+    max_consecutive_skips: Optional[int] = None
 
 
 def checked_arguments(initial_loss_scale, increment_period, multiplier,
@@ -177,11 +176,8 @@ def checked_arguments(initial_loss_scale, increment_period, multiplier,
         "on_min_loss_scale", on_min_loss_scale, failure_policy.POLICIES)
     skip_limit = checks.optional_positive_int(
         "max_consecutive_skips", max_consecutive_skips)
-    rule = DynamicRule(
-        increment_period=period, multiplier=factor,
-        backoff_factor=backoff_factor, min_loss_scale=floor,
-        max_loss_scale=max_loss_scale, hysteresis=budget,
-        consecutive_hysteresis=consecutive)
+    rule = DynamicRule(period, factor, backoff_factor, floor, max_loss_scale,
+                       budget, consecutive)
     return DynamicArguments(initial, rule, policy, skip_limit)
 
 
@@ -189,22 +185,11 @@ def config_of(arguments):
     """`DynamicLossScale.get_config()` of `arguments`: TensorFlow's three
     keys, then the others that differ from their defaults (so a default
     config is TensorFlow's)."""
-    rule = arguments.rule
-    config = {
-        "initial_loss_scale": arguments.initial_loss_scale,
-        "increment_period": rule.increment_period,
-        "multiplier": rule.multiplier,
-    }
-    optional = {
-        "backoff_factor": (rule.backoff_factor, None),
-        "min_loss_scale": (rule.min_loss_scale, 1.0),
-        "max_loss_scale": (rule.max_loss_scale, None),
-        "hysteresis": (rule.hysteresis, 1),
-        "consecutive_hysteresis": (rule.consecutive_hysteresis, False),
-        "on_min_loss_scale": (arguments.on_min_loss_scale, "continue"),
-        "max_consecutive_skips": (arguments.max_consecutive_skips, None),
-    }
-    for name, (value, default) in optional.items():
-        if value != default:
-            config[name] = value
-    return config
+    values = {"initial_loss_scale": arguments.initial_loss_scale,
+              **arguments.rule._asdict(),
+              **arguments._asdict()}
+    defaults = {**DynamicRule._field_defaults,
+                **DynamicArguments._field_defaults}
+    return {name: value for name, value in values.items()
+            if name != "rule"
+            and (name not in defaults or value != defaults[name])}

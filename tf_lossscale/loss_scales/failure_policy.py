@@ -110,13 +110,6 @@ def check_state(state, hysteresis):
     return tf.debugging.Assert(valid, data)
 
 
-def _summary(value):
-    """A short description of a stored value, whatever its size."""
-    if value.size == 1:
-        return f"{value.reshape(()).item()!r} ({value.dtype})"
-    return f"an array of shape {value.shape} and dtype {value.dtype}"
-
-
 def check_loadable(stored):
     """Raises unless every value can be assigned exactly to its variable.
 
@@ -135,8 +128,11 @@ def check_loadable(stored):
     """
     for (name, variable), stored_value in stored:
         value = np.asarray(stored_value)
+        got = (f"{value.reshape(()).item()!r} ({value.dtype})"
+               if value.size == 1 else
+               f"an array of shape {value.shape} and dtype {value.dtype}")
         where = (f"tf_lossscale: the loss scale's {name} in this file "
-                 f"cannot be loaded: got {_summary(value)}")
+                 f"cannot be loaded: got {got}")
         if value.dtype.kind not in "iuf":
             raise TypeError(f"{where}; it must be a number. Nothing was "
                             "loaded.")
@@ -188,12 +184,10 @@ def apply_policy(new_state, at_floor, floor, policy, limit):
     graphs, [] eagerly (where they have already raised or printed)."""
     scale, skips = new_state.scale, new_state.consecutive_skips
     ops = []
-    if policy == "warn":
-        ops += ops_of(_warn_if(at_floor, floor_template(floor, policy),
-                               (scale, skips)))
-    elif policy == "raise":
-        ops += ops_of(_fail_if(at_floor, floor_template(floor, policy),
-                               (scale, skips)))
+    if policy != "continue":
+        act = _warn_if if policy == "warn" else _fail_if
+        ops += ops_of(act(at_floor, floor_template(floor, policy),
+                          (scale, skips)))
     if limit is not None:
         with tf.control_dependencies(ops):
             ops += ops_of(_fail_if(skips >= limit, limit_template(limit),
@@ -213,9 +207,8 @@ def _fail_if(condition, template, values):
     """
     if tf.executing_eagerly():
         if bool(condition):
-            message = tf.strings.format(template, values)
-            raise tf.errors.InvalidArgumentError(
-                None, None, message.numpy().decode())
+            raise tf.errors.InvalidArgumentError(None, None, tf.strings.format(
+                template, values).numpy().decode())
         return None
     return tf.debugging.Assert(
         tf.logical_not(condition), [tf.strings.format(template, values)])

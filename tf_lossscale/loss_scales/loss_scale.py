@@ -185,14 +185,13 @@ class FixedLossScale(LossScale):
     """
 
     def __init__(self, loss_scale_value, *, skip_non_finite=False):
-        value = checks.finite_float32(
-            "loss_scale_value", loss_scale_value, at_least=1)
-        skip = checks.boolean("skip_non_finite", skip_non_finite)
         super().__init__()
         # A Python float, not a tensor, which could end up on another device
         # or in another graph than where it is used.
-        self._loss_scale_value = value
-        self._skip_non_finite = skip
+        self._loss_scale_value = checks.finite_float32(
+            "loss_scale_value", loss_scale_value, at_least=1)
+        self._skip_non_finite = checks.boolean(
+            "skip_non_finite", skip_non_finite)
 
     @property
     def loss_scale_value(self):
@@ -202,10 +201,8 @@ class FixedLossScale(LossScale):
     def skip_non_finite(self):
         return self._skip_non_finite
 
-    @property
-    def _needs_finiteness(self):
-        """Whether `update` looks at the gradients at all."""
-        return self._skip_non_finite
+    # Whether `update` looks at the gradients at all.
+    _needs_finiteness = skip_non_finite
 
     def __call__(self):
         return tf.constant(self._loss_scale_value, dtype=tf.float32)
@@ -219,15 +216,13 @@ class FixedLossScale(LossScale):
         """`update` given the all-replica finiteness flag (cross-replica);
         stateless, so `gated` changes nothing."""
         del gated
-        if not self._skip_non_finite:
-            return graph_op(tf.no_op()), True
-        return graph_op(tf.no_op()), tf.convert_to_tensor(all_finite)
+        should_apply = (tf.convert_to_tensor(all_finite)
+                        if self._skip_non_finite else True)
+        return graph_op(tf.no_op()), should_apply
 
     def get_config(self):
-        config = {"loss_scale_value": self._loss_scale_value}
-        if self._skip_non_finite:
-            config["skip_non_finite"] = True
-        return config
+        skip = {"skip_non_finite": True} if self._skip_non_finite else {}
+        return {"loss_scale_value": self._loss_scale_value, **skip}
 
     def __repr__(self):
         skip = ", skip_non_finite=True" if self._skip_non_finite else ""

@@ -92,22 +92,16 @@ def deserialize(config, custom_objects=None):
             "config['config'] must be a dict of constructor arguments, got "
             f"{checks.summary(arguments)}")
     if cls in _BUILT_IN.values():
-        _check_argument_names(cls, arguments)
+        # Python's own message would repeat a key whole, however long, and
+        # says nothing for a key that is not a string.
+        accepted = list(inspect.signature(cls).parameters)
+        unknown = [key for key in arguments if key not in accepted]
+        if unknown:
+            raise TypeError(
+                f"config['config'] holds argument(s) {cls.__name__} does "
+                f"not take: {checks.summary(unknown)}; it takes "
+                f"{', '.join(accepted)}")
     return cls.from_config(arguments)
-
-
-def _check_argument_names(cls, arguments):
-    """Raises TypeError naming the keys of `arguments` that `cls`'s
-    constructor does not take (Python's own message would repeat a key
-    whole, however long, and says nothing for a key that is not a string)."""
-    accepted = [name for name in inspect.signature(cls).parameters
-                if name != "self"]
-    unknown = [key for key in arguments if key not in accepted]
-    if unknown:
-        raise TypeError(
-            f"config['config'] holds argument(s) {cls.__name__} does not "
-            f"take: {checks.summary(unknown)}; it takes "
-            f"{', '.join(accepted)}")
 
 
 def get_argument(name, identifier):

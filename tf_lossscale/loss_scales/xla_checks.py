@@ -99,9 +99,6 @@ class Watch:
     def live(self):
         return self._started and (self._is_live is None or self._is_live())
 
-    def note_trace(self):
-        self.traced = True
-
     def __enter__(self):
         self.start()
         return self

@@ -85,7 +85,7 @@ class StepRecord:
         return StepRecord(self.fields, self.floor, self.hysteresis,
                           self.policy, self.limit)
 
-    # Watches: objects with `live()` and `note_trace()`, added by the host.
+    # Watches: objects with `live()` and `traced`, added by the host.
 
     def add_watch(self, watch):
         with self._lock:
@@ -97,7 +97,7 @@ class StepRecord:
 
     def check_watched(self):
         """At trace time: a configuration that needs the host needs a live
-        watch, which is told it saw this trace; dead watches are dropped."""
+        watch, whose `traced` is set; dead watches are dropped."""
         with self._lock:
             self._watches = [w for w in self._watches if w.live()]
             live = list(self._watches)
@@ -107,7 +107,7 @@ class StepRecord:
             raise RuntimeError(failure_policy.NOT_WATCHED.format(
                 asks=failure_policy.what_is_asked(self.policy, self.limit)))
         for watch in live:
-            watch.note_trace()
+            watch.traced = True
 
     # Device side, traced into the XLA step.
 
@@ -165,8 +165,7 @@ class StepRecord:
         values = tf.where(
             refused_now, _values(state),
             tf.where(failed_now, _values(new_state), record[_SCALE:_SKIPS + 1]))
-        warns = (at_floor if self.policy == "warn"
-                 else tf.constant(False))
+        warns = at_floor if self.policy == "warn" else tf.constant(False)
         warning = tf.where(
             warns,
             tf.stack([record[_WARNINGS] + 1, _bits(new_state.scale), skips]),

@@ -37,9 +37,8 @@ def check_supported(strategy=None):
 
 def strategy_in_use():
     """The strategy whose scope or `run` we are in; None without one."""
-    if not tf.distribute.has_strategy():
-        return None
-    return tf.distribute.get_strategy()
+    return (tf.distribute.get_strategy() if tf.distribute.has_strategy()
+            else None)
 
 
 def check_same_strategy(owner, created_under):
