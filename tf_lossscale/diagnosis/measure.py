@@ -62,7 +62,15 @@ def diagnose(model, data, steps=8, *, loss=None,
         raise ValueError("scales must be finite numbers > 0 in increasing "
                          f"order, got {checks.summary(scales)}")
     loss, loss_fn = _loss(model, loss)
-    batches = _batches(data, steps)
+    batches = []
+    for index, batch in enumerate(itertools.islice(iter(data), steps)):
+        if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
+            raise TypeError(
+                f"batch {index} of data must be (x, y) or (x, y, "
+                f"sample_weight), got {checks.summary(batch)}")
+        batches.append(tuple(batch) + (None,) * (3 - len(batch)))
+    if not batches:
+        raise ValueError("data holds no batch")
     arguments.update(data=batches, steps=len(batches), loss=loss,
                      scales=scales)
     figures = passes.Passes(model, loss_fn).figures(batches, scales)
@@ -87,16 +95,3 @@ def _loss(model, loss):
     # example, to be reduced here as the replicas' shares need.
     return identifier, (function.call if isinstance(function, losses.Loss)
                         else function)
-
-
-def _batches(data, steps):
-    batches = []
-    for index, batch in enumerate(itertools.islice(iter(data), steps)):
-        if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
-            raise TypeError(
-                f"batch {index} of data must be (x, y) or (x, y, "
-                f"sample_weight), got {checks.summary(batch)}")
-        batches.append(tuple(batch) + (None,) * (3 - len(batch)))
-    if not batches:
-        raise ValueError("data holds no batch")
-    return batches

@@ -3,6 +3,8 @@ and copies rebuilt from its config (not by `clone_model`, which keeps each
 layer's dtype policy and fails on a compiled lambda loss) with chosen layers
 computing in float32."""
 
+import importlib
+
 import tensorflow as tf
 
 from tf_lossscale.step import optimizer_protocol
@@ -13,12 +15,9 @@ _FLOAT16_POLICIES = ("mixed_float16", "float16")
 
 def keras_module(model):
     """The Keras that made `model`: keras (3) or tf_keras."""
-    # pylint: disable=g-import-not-at-top
-    if optimizer_protocol.comes_from_tf_keras(model):
-        import tf_keras
-        return tf_keras
-    import keras
-    return keras
+    return importlib.import_module(
+        "tf_keras" if optimizer_protocol.comes_from_tf_keras(model)
+        else "keras")
 
 
 def probed_layers(model):
@@ -28,16 +27,12 @@ def probed_layers(model):
             if type(layer).__name__ != "InputLayer"]
 
 
-def _is_sequential(model):
-    return isinstance(model, keras_module(model).Sequential)
-
-
 def check_model(model, caller="diagnose"):
     """Raises TypeError unless `model` is a model `caller` can run."""
     if not hasattr(model, "layers") or not callable(model):
         raise TypeError(
             f"model must be a Keras model, got {checks.summary(model)}")
-    if _is_sequential(model):
+    if isinstance(model, keras_module(model).Sequential):
         if not model.built:
             raise TypeError(
                 f"model {model.name!r} is not built: build it (give it a "
@@ -61,7 +56,7 @@ def probe(model):
     its layers in turn (one rebuilt from its config keeps a first, unused
     graph in its layers)."""
     layers = probed_layers(model)
-    if _is_sequential(model):
+    if isinstance(model, keras_module(model).Sequential):
 
         def run_sequential(x):
             layer_outputs = []

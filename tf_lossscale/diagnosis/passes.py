@@ -10,6 +10,7 @@ counts against the twin's gradients). The replicas' figures are combined
 import numpy as np
 import tensorflow as tf
 
+from tf_lossscale.diagnosis import advice
 from tf_lossscale.diagnosis import models
 from tf_lossscale.ops import float16
 
@@ -79,24 +80,21 @@ class Passes:
     def _float32_pass(self, batch):
         layer_outputs, output_grads, grads = self._forward_backward(
             self._twin_probe, self._twin.trainable_variables, batch, 1.0)
-        figures = {
-            "activation_max_float32": _per_item(
-                float16.largest_magnitude, layer_outputs),
-            "gradient_max": _per_item(float16.largest_magnitude, output_grads),
+        return {
+            "activation_max_float32": _per_item(layer_outputs),
+            "gradient_max": _per_item(output_grads),
             "gradient_reached": tf.stack([
                 tf.constant(float(any(g is not None for g in tensors)))
                 for tensors in output_grads]),
-            "variable_gradient_max": _per_item(
-                float16.largest_magnitude, grads),
-        }
-        return figures, [tf.zeros(v.shape, tf.float32) if g is None else g
-                         for g, v in zip(grads, self._variables)]
+            "variable_gradient_max": _per_item(grads),
+        }, [tf.zeros(v.shape, tf.float32) if g is None else g
+            for g, v in zip(grads, self._variables)]
 
     def _float16_pass(self, batch, scale, float32_grads):
         layer_outputs, output_grads, grads = self._forward_backward(
             self._probe, self._variables, batch, scale)
         known = tf.cast(float16.is_finite(batch[0]), tf.float32)
-        output_finite = _per_item(float16.is_finite, layer_outputs)
+        output_finite = _per_item(layer_outputs, float16.is_finite)
         backward = [g for g, f16 in zip(output_grads + grads,
                                         self._float16_layer
                                         + self._float16_variable) if f16]
@@ -111,19 +109,18 @@ class Passes:
             "output_nonfinite": (1.0 - output_finite) * known,
             "forward_nonfinite": (1.0 - tf.cast(
                 forward_finite, tf.float32))[None] * known,
-            "activation_max": _per_item(
-                float16.largest_magnitude, layer_outputs),
+            "activation_max": _per_item(layer_outputs),
             "backward_overflow": tf.cast(tf.logical_and(
                 forward_finite, tf.logical_not(
                     float16.is_finite(backward))), tf.float32)[None],
-            "variable_nonfinite": 1.0 - _per_item(float16.is_finite, grads),
+            "variable_nonfinite": 1.0 - _per_item(grads, float16.is_finite),
             "underflow": measured * tf.stack([
                 float16.underflow_count(g, reference) if f16 and (
                     g is not None) else tf.constant(0.0)
                 for g, reference, f16 in zip(grads, float32_grads,
                                              self._float16_variable)]),
             "nonzero": measured * _per_item(
-                float16.nonzero_count, float32_grads),
+                float32_grads, float16.nonzero_count),
         }, None
 
     def _replicated(self, fn, *args):
@@ -188,60 +185,53 @@ class Passes:
             "overflow_batches": [
                 int(n) for n in f16["backward_overflow"][:, 0]],
         }
-        measured = len(batches) > (counts["input_nonfinite_batches"]
-                                   + counts["forward_nonfinite_batches"])
         return dict(counts, layers=self._layer_rows(f32, f16),
-                    variables=self._variable_rows(f32, f16, measured))
+                    variables=self._variable_rows(
+                        f32, f16, advice.measured_batches(counts) > 0))
 
     def _layer_rows(self, f32, f16):
-        rows = []
-        for index, (layer, half) in enumerate(zip(self._layers,
-                                                  self._float16_layer)):
-            largest = float(f32["activation_max_float32"][index])
-            gradient = (float(f32["gradient_max"][index])
-                        if f32["gradient_reached"][index] else None)
-            # Against float16's range only where float16 holds the values.
-            rows.append({
-                "name": layer.name,
-                "compute_dtype": layer.compute_dtype,
-                "activation_max": float(f16["activation_max"][0, index]),
-                "activation_max_float32": largest,
-                "activation_headroom_log2": (
-                    float16.headroom_log2(largest) if half else None),
-                "gradient_max": gradient,
-                "gradient_headroom_log2": (
-                    float16.headroom_log2(gradient) if half else None),
-                "nonfinite_batches": int(f16["output_nonfinite"][0, index]),
-            })
-        return rows
+        # Against float16's range only where float16 holds the values.
+        gradients = [value if reached else None for value, reached in zip(
+            f32["gradient_max"].tolist(), f32["gradient_reached"])]
+        return [{
+            "name": layer.name,
+            "compute_dtype": layer.compute_dtype,
+            "activation_max": float(f16["activation_max"][0, index]),
+            "activation_max_float32": largest,
+            "activation_headroom_log2": (
+                float16.headroom_log2(largest) if half else None),
+            "gradient_max": gradient,
+            "gradient_headroom_log2": (
+                float16.headroom_log2(gradient) if half else None),
+            "nonfinite_batches": int(f16["output_nonfinite"][0, index]),
+        } for index, (layer, half, largest, gradient) in enumerate(zip(
+            self._layers, self._float16_layer,
+            f32["activation_max_float32"].tolist(), gradients))]
 
     def _variable_rows(self, f32, f16, measured):
-        rows = []
-        for index, (variable, layer, half) in enumerate(zip(
-                self._variables, self._variable_layers,
-                self._float16_variable)):
-            largest = float(f32["variable_gradient_max"][index])
-            count = float(f16["nonzero"][0, index])
-            rows.append({
-                # A Keras 3 variable's path, or a tf-keras variable's name.
-                "name": getattr(variable, "path", None) or variable.name,
-                "layer": None if layer is None else layer.name,
-                "compute_dtype": "float16" if half else "float32",
-                "size": int(np.prod(variable.shape)),
-                "gradient_max": largest,
-                "gradient_headroom_log2": (
-                    float16.headroom_log2(largest) if half else None),
-                "nonzero_values": int(count),
-                "underflow_share": [
-                    float(lost) / count if count else 0.0
-                    for lost in f16["underflow"][:, index]
-                ] if half and measured else None,
-                "nonfinite_batches": [
-                    int(n) for n in f16["variable_nonfinite"][:, index]],
-            })
-        return rows
+        return [{
+            # A Keras 3 variable's path, or a tf-keras variable's name.
+            "name": getattr(variable, "path", None) or variable.name,
+            "layer": None if layer is None else layer.name,
+            "compute_dtype": "float16" if half else "float32",
+            "size": int(np.prod(variable.shape)),
+            "gradient_max": largest,
+            "gradient_headroom_log2": (
+                float16.headroom_log2(largest) if half else None),
+            "nonzero_values": int(count),
+            "underflow_share": [
+                float(lost) / count if count else 0.0
+                for lost in f16["underflow"][:, index]
+            ] if half and measured else None,
+            "nonfinite_batches": [
+                int(n) for n in f16["variable_nonfinite"][:, index]],
+        } for index, (variable, layer, half, largest, count) in enumerate(zip(
+            self._variables, self._variable_layers, self._float16_variable,
+            f32["variable_gradient_max"].tolist(),
+            f16["nonzero"][0].tolist()))]
 
 
-def _per_item(fn, items):
-    """`fn` of each item (a tensor or a list of them) as a float32 vector."""
+def _per_item(items, fn=float16.largest_magnitude):
+    """`fn` of each item (a tensor or a list of them; by default its largest
+    magnitude) as a float32 vector."""
     return tf.stack([tf.cast(fn(item), tf.float32) for item in items])

@@ -20,10 +20,30 @@ def write(report, path):
             'pip install -e ".[plot]")') from err
     fig = figure.Figure(figsize=(10, 4.2), dpi=100, layout="constrained")
     backend_agg.FigureCanvasAgg(fig)
-    layers_axes, shares_axes = fig.subplots(1, 2, width_ratios=[1, 1.3])
+    layers_axes, axes = fig.subplots(1, 2, width_ratios=[1, 1.3])
     _draw_headroom(layers_axes, [row for row in report["layers"]
                                  if row["compute_dtype"] == "float16"])
-    _draw_shares(shares_axes, report)
+    # Each float16 variable's underflow share over the probed scales.
+    scales = [math.log2(s) for s in report["scales"]]
+    shares = {row["name"]: row["underflow_share"]
+              for row in report["variables"]
+              if row["underflow_share"] is not None}
+    for name, values in shares.items():
+        axes.plot(scales, [100 * s for s in values], marker=".", label=name)
+    for exponent, overflowed in zip(scales, report["overflow_batches"]):
+        if overflowed:
+            axes.axvspan(exponent - 0.5, exponent + 0.5, color="tab:red",
+                         alpha=0.12, linewidth=0)
+    if report["loss_scale_range"] is not None:
+        low, high = (math.log2(s) for s in report["loss_scale_range"])
+        axes.axvspan(low - 0.5, high + 0.5, color="tab:green", alpha=0.12,
+                     linewidth=0, label="advised loss scales")
+    axes.set(xlabel="log2 of the loss scale (red: the backward pass "
+             "overflows)", ylabel="gradient lost to underflow (%)",
+             title="float16 variables")
+    axes.grid(True, alpha=0.3)
+    if len(shares) <= 10:
+        axes.legend(fontsize="small")
     pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png")
 
@@ -50,26 +70,3 @@ def _draw_headroom(axes, layers):
              title="float16 layers")
     axes.legend(loc="lower right", fontsize="small")
     axes.grid(True, axis="x", alpha=0.3)
-
-
-def _draw_shares(axes, report):
-    scales = [math.log2(s) for s in report["scales"]]
-    shares = {row["name"]: row["underflow_share"]
-              for row in report["variables"]
-              if row["underflow_share"] is not None}
-    for name, values in shares.items():
-        axes.plot(scales, [100 * s for s in values], marker=".", label=name)
-    for exponent, overflowed in zip(scales, report["overflow_batches"]):
-        if overflowed:
-            axes.axvspan(exponent - 0.5, exponent + 0.5, color="tab:red",
-                         alpha=0.12, linewidth=0)
-    if report["loss_scale_range"] is not None:
-        low, high = (math.log2(s) for s in report["loss_scale_range"])
-        axes.axvspan(low - 0.5, high + 0.5, color="tab:green", alpha=0.12,
-                     linewidth=0, label="advised loss scales")
-    axes.set(xlabel="log2 of the loss scale (red: the backward pass "
-             "overflows)", ylabel="gradient lost to underflow (%)",
-             title="float16 variables")
-    axes.grid(True, alpha=0.3)
-    if len(shares) <= 10:
-        axes.legend(fontsize="small")

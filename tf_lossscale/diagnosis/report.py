@@ -4,8 +4,9 @@ loss scale, a fixed model, and three views (text, a dict, a plot)."""
 import copy
 
 from tf_lossscale.diagnosis import advice as advice_lib
-from tf_lossscale.diagnosis import fix as fix_lib
+from tf_lossscale.diagnosis import models
 from tf_lossscale.diagnosis import text
+from tf_lossscale.keras3 import loss_scale_optimizer
 from tf_lossscale.loss_scales import dynamic_loss_scale
 from tf_lossscale.ops import float16
 
@@ -32,11 +33,21 @@ class Float16Diagnosis:
              if row["nonfinite_batches"]), None)
         scales = figures["scales"] = arguments["scales"]
         tolerance = arguments["underflow_tolerance"]
-        top = advice_lib.top_index(figures, arguments["overflow_tolerance"])
+        # The advised range's top: the last scale, from the lowest up, at
+        # which at most overflow_tolerance of the measured batches overflow.
+        measured = advice_lib.measured_batches(figures)
+        limit = arguments["overflow_tolerance"] * measured
+        fits = [measured > 0 and batches <= limit
+                for batches in figures["overflow_batches"]] + [False]
+        top = fits.index(False) - 1 if fits[0] else None
         self.loss_scale_range = None
         if top is not None:
-            bottom = advice_lib.bottom_index(top, figures["variables"],
-                                             tolerance)
+            # Its bottom: the lowest scale at which every float16 variable
+            # loses at most `tolerance` more of its gradient than at the top.
+            shares = [row["underflow_share"] for row in figures["variables"]
+                      if row["underflow_share"] is not None]
+            bottom = next(index for index in range(top + 1) if all(
+                share[index] <= share[top] + tolerance for share in shares))
             self.loss_scale_range = (scales[bottom], scales[top])
         self.underflowing_variables = [
             row["name"] for row in figures["variables"]
@@ -73,8 +84,53 @@ class Float16Diagnosis:
             no choice of float32 layers makes the forward pass finite (NaN
             or Inf in the inputs, or in a float32 layer's outputs).
         """
-        return fix_lib.fixed_model(model, self.as_dict(), self._arguments,
-                                   self._diagnose)
+        models.check_model(model, "fix")
+        names = [layer.name for layer in models.probed_layers(model)]
+        if names != [row["name"] for row in self._figures["layers"]]:
+            raise ValueError(
+                f"model {model.name!r} is not the model this report "
+                f"diagnosed: its layers are {names}")
+        if getattr(model, "optimizer", None) is None:
+            raise ValueError(
+                f"model {model.name!r} is not compiled: fix compiles its copy "
+                "with the original's loss, metrics and optimizer")
+        if self._figures["input_nonfinite_batches"]:
+            raise ValueError(
+                f"{self._figures['input_nonfinite_batches']} of "
+                f"{self._figures['batches']} diagnosed batches hold NaN or "
+                "Inf in their inputs: no choice of float32 layers makes the "
+                "forward pass finite; fix the data")
+        keep = set(self.keep_in_float32)
+        while True:
+            fixed = models.rebuilt(model, keep)
+            checked = self._diagnose(fixed, **self._arguments)
+            first = checked.first_nonfinite_layer
+            if first is not None and (
+                    fixed.get_layer(first).compute_dtype != "float16"):
+                raise ValueError(
+                    f"the outputs of layer {first!r} of model {model.name!r} "
+                    "are not finite on the diagnosed batches even though it "
+                    "computes in float32 (NaN or Inf in its weights, or "
+                    "values beyond float32's range): no choice of float32 "
+                    "layers makes the forward pass finite")
+            named = set(checked.keep_in_float32) | ({first} - {None})
+            if named <= keep:
+                break
+            keep |= named
+        # Compiled as `model` was, with a new optimizer and the new loss scale.
+        inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+        settings = {key: value
+                    for key, value in model.get_compile_config().items()
+                    if key not in ("optimizer", "loss")}
+        with model.distribute_strategy.scope():
+            fixed.compile(
+                optimizer=loss_scale_optimizer.LossScaleOptimizer(
+                    type(inner).from_config(inner.get_config()),
+                    loss_scale=checked.loss_scale()),
+                loss=model.loss or self._arguments["loss"],
+                **models.keras_module(model).saving.deserialize_keras_object(
+                    settings))
+        return fixed
 
     def overflow_bound_log2(self):
         """log2 of the largest loss scale the float16 gradients measured in

@@ -36,14 +36,13 @@ def render(report):
         "Forward pass, each layer's largest output:",
         f"  {'layer':<24} {'dtype':<8} {'float16':>10} {'float32':>10} "
         f"{'headroom':>9}"]
-    for row in report["layers"]:
-        mark = ("  <- first non-finite output"
-                if row["name"] == report["first_nonfinite_layer"] else "")
-        lines.append(
-            f"  {row['name']:<24} {row['compute_dtype']:<8} "
-            f"{number(row['activation_max']):>10} "
-            f"{number(row['activation_max_float32']):>10} "
-            f"{number(row['activation_headroom_log2'], '.1f'):>9}{mark}")
+    lines += [f"  {row['name']:<24} {row['compute_dtype']:<8} "
+              f"{number(row['activation_max']):>10} "
+              f"{number(row['activation_max_float32']):>10} "
+              f"{number(row['activation_headroom_log2'], '.1f'):>9}"
+              + ("  <- first non-finite output"
+                 if row["name"] == report["first_nonfinite_layer"] else "")
+              for row in report["layers"]]
     lines += ["", "Backward pass, each layer's largest output gradient at "
               "loss scale 1 (headroom: log2 of the largest scale it takes):",
               f"  {'layer':<24} {'dtype':<8} {'largest':>10} {'headroom':>9}"]
@@ -69,11 +68,10 @@ def _variable_lines(report):
     variables = report["variables"]
     for row in variables[:MAX_PRINTED_VARIABLES]:
         shares = row["underflow_share"] or [None] * len(report["scales"])
-        lines.append(
-            f"  {row['name']:<32} {row['compute_dtype']:<8}"
-            + "".join(f"{share(shares[i]):>9}" for i in shown)
-            + f" {number(row['gradient_max']):>10} "
-            f"{number(row['gradient_headroom_log2'], '.1f'):>9}")
+        lines.append(f"  {row['name']:<32} {row['compute_dtype']:<8}"
+                     + "".join(f"{share(shares[i]):>9}" for i in shown)
+                     + f" {number(row['gradient_max']):>10} "
+                     f"{number(row['gradient_headroom_log2'], '.1f'):>9}")
     if len(variables) > MAX_PRINTED_VARIABLES:
         lines.append(f"  ... and {len(variables) - MAX_PRINTED_VARIABLES} "
                      "more (as_dict() has them all)")
