@@ -164,11 +164,6 @@ def inner_optimizer(value, optimizer_types, wrapper_types, expected, *,
             f"({summary(getattr(value, 'name', value))} is already wrapped)")
 
 
-def claim(inner):
-    """Marks `inner` wrapped with tf-keras' flag: every wrapper refuses it."""
-    setattr(inner, private_api.TF_KERAS_WRAPPED, True)
-
-
 def optimizer_config(config, custom_objects, optimizer_types=()):
     """`(inner, kwargs)` of a wrapper's config (TF 2.1-2.3's names `inner`
     `optimizer`), checked before Keras' deserializer reads it: `inner`

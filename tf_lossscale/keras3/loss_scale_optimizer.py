@@ -33,9 +33,8 @@ class _OneNameForEveryKeras(type):
     tf-keras wrappers, which subclass tf-keras' own wrapper instead."""
 
     def __instancecheck__(cls, instance):
-        return super().__instancecheck__(instance) or (
-            cls is LossScaleOptimizer
-            and isinstance(instance, _tf_keras_wrapper_classes()))
+        return super().__instancecheck__(instance) or issubclass(
+            type(instance), cls)
 
     def __subclasscheck__(cls, subclass):
         return super().__subclasscheck__(subclass) or (
@@ -128,7 +127,8 @@ class LossScaleOptimizer(saving.SavedState,
         # Keras' own wrapper's constructor makes scale variables we do not use.
         private_api.init_without_keras_loss_scale_optimizer(self, name)
         self.inner_optimizer = inner_optimizer
-        checks.claim(inner_optimizer)
+        # tf-keras' flag: every wrapper, tf-keras' own too, now refuses it.
+        setattr(inner_optimizer, private_api.TF_KERAS_WRAPPED, True)
         # Checkpoints hold the scale under `loss_scale`, where tf-keras put
         # it, not under the attribute's name automatic tracking would use.
         object.__setattr__(self, "_loss_scale", resolved)
@@ -138,18 +138,6 @@ class LossScaleOptimizer(saving.SavedState,
                 0, name="skipped_steps", dtype="int64", trainable=False,
                 aggregation="none")
         _warn_if_scaling_bfloat16(resolved)
-
-    @property
-    def iterations(self):
-        return self.inner_optimizer.iterations
-
-    @property
-    def learning_rate(self):
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate):
-        self.inner_optimizer.learning_rate = learning_rate
 
     def build(self, var_list):
         self._hand_pending_restores_to_inner()

@@ -15,10 +15,10 @@ from tf_lossscale.step import optimizer_protocol
 
 
 def check_optimizer(optimizer):
-    """Raises TypeError unless `optimizer` is a tf_lossscale wrapper, naming
-    the fix when Keras' own wrapper is what `compile` left."""
+    """Returns `optimizer` if a tf_lossscale wrapper, else raises TypeError,
+    naming the fix when Keras' own wrapper is what `compile` left."""
     if isinstance(optimizer, optimizer_protocol.ScaledLossProtocol):
-        return
+        return optimizer
     kind = type(optimizer)
     hint = ""
     if hasattr(optimizer, "inner_optimizer"):  # Keras 3 or tf-keras own.
@@ -80,8 +80,7 @@ class FitWatcher:
         optimizer; with `act`, first acts on what unwatched calls left in
         its record (raising it)."""
         model = self.model
-        optimizer = getattr(model, "optimizer", None)
-        check_optimizer(optimizer)
+        optimizer = check_optimizer(getattr(model, "optimizer", None))
         if self._watch is not None:  # Left by a fit that died.
             self._watch.end()
         if act:

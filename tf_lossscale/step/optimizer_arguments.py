@@ -134,13 +134,6 @@ def _forwarded(name):
 class InnerHyperparameters:
     """Mixin: the inner optimizer's hyperparameters as the wrapper's."""
 
-    weight_decay = _forwarded("weight_decay")
-    clipnorm = _forwarded("clipnorm")
-    clipvalue = _forwarded("clipvalue")
-    global_clipnorm = _forwarded("global_clipnorm")
-    ema_momentum = _forwarded("ema_momentum")
-    ema_overwrite_frequency = _forwarded("ema_overwrite_frequency")
-
     def __setattr__(self, name, value):
         if name in _FIXED_AT_WRAPPING and "inner_optimizer" in self.__dict__:
             reason = (" (the wrapper scales the loss itself)"
@@ -151,3 +144,8 @@ class InnerHyperparameters:
                 "before wrapping it, e.g. "
                 f"LossScaleOptimizer(keras.optimizers.Adam({name}=...))")
         super().__setattr__(name, value)
+
+
+for _name in ("weight_decay", *_CLIPPING, "ema_momentum",
+              "ema_overwrite_frequency"):
+    setattr(InnerHyperparameters, _name, _forwarded(_name))

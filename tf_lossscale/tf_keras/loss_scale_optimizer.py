@@ -71,7 +71,8 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
             loss_scale, dynamic, initial_scale, dynamic_growth_steps)
         # First: the legacy class's __setattr__ reads the inner optimizer.
         self._optimizer = inner_optimizer
-        checks.claim(inner_optimizer)
+        # tf-keras' flag: every wrapper, tf-keras' own too, now refuses it.
+        setattr(inner_optimizer, private_api.TF_KERAS_WRAPPED, True)
         # Checkpoint dependencies are the inner optimizer's, as in tf-keras'
         # wrapper: both wrappers' checkpoints restore into each other.
         private_api.DelegatingTrackableMixin.__init__(self, inner_optimizer)
@@ -114,8 +115,8 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
         loss_scaled_step.check_traceable(self._loss_scale)
         self._warn_if_not_scaled()
         grads, variables = checks.pairs(grads_and_vars)
-        grads = checks.gradients(grads, variables)
-        pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
+        pairs = [(g, v) for g, v in zip(checks.gradients(grads, variables),
+                                        variables) if g is not None]
         grads, variables = (list(part) for part in zip(
             *self._aggregate(pairs, **kwargs)))
         self._build(variables)
@@ -136,14 +137,11 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
         applied as given (while tracing, in a `tf.function`)."""
         if self._loss_scaled:
             return
-        if self._caller_unscales:
-            forgot = ("get_scaled_loss() before calling LossScaleOptimizer."
-                      "apply_gradients() (you did call "
-                      "get_unscaled_gradients())")
-        else:
-            forgot = ("get_scaled_loss() and LossScaleOptimizer."
-                      "get_unscaled_gradients() before calling "
-                      "LossScaleOptimizer.apply_gradients()")
+        forgot = ("get_scaled_loss() before calling LossScaleOptimizer."
+                  "apply_gradients() (you did call get_unscaled_gradients())"
+                  if self._caller_unscales else "get_scaled_loss() and "
+                  "LossScaleOptimizer.get_unscaled_gradients() before calling "
+                  "LossScaleOptimizer.apply_gradients()")
         tf.compat.v1.logging.warning(
             f"You forgot to call LossScaleOptimizer.{forgot}. This will likely "
             "result in worse model quality: scale the loss with "
@@ -229,8 +227,7 @@ class LossScaleOptimizer(_TfKerasWrapper, _tf_keras_lso.LossScaleOptimizerV3):
     def _inner_variables(self):
         return self._optimizer.variables
 
-    def build(self, var_list):
-        self._build(var_list)
+    build = _TfKerasWrapper._build
 
     def finalize_variable_values(self, var_list):
         """tf-keras' wrapper's; first, at the end of `fit`, raises what XLA
@@ -238,9 +235,7 @@ class LossScaleOptimizer(_TfKerasWrapper, _tf_keras_lso.LossScaleOptimizerV3):
         xla_checks.act(self)
         super().finalize_variable_values(var_list)
 
-    @property
-    def variables(self):
-        return self._all_variables()
+    variables = property(_TfKerasWrapper._all_variables)
 
 
 @tf_keras.saving.register_keras_serializable(
@@ -283,15 +278,9 @@ class LegacyLossScaleOptimizer(_TfKerasWrapper,
     def _inner_variables(self):
         return self._optimizer.variables()
 
-    def _create_all_weights(self, var_list):
-        self._build(var_list)
-
-    def variables(self):
-        return self._all_variables()
-
-    @property
-    def weights(self):
-        return self._all_variables()
+    _create_all_weights = _TfKerasWrapper._build
+    variables = _TfKerasWrapper._all_variables
+    weights = property(_TfKerasWrapper._all_variables)
 
 
 # What `isinstance(opt, tf_lossscale.LossScaleOptimizer)` also accepts.
