@@ -47,8 +47,7 @@ from tf_lossscale import compat
 from tf_lossscale._internal.checks import DoubleScalingError
 from tf_lossscale._internal.checks import ReplicaContextError
 from tf_lossscale._internal.versions import UntestedReleaseWarning
-from tf_lossscale.diagnosis import Float16Diagnosis
-from tf_lossscale.diagnosis import diagnose
+from tf_lossscale.diagnosis import Float16Diagnosis, diagnose
 from tf_lossscale.keras3.loss_scale_optimizer import LossScaleOptimizer
 from tf_lossscale.loss_scales import DynamicLossScale
 from tf_lossscale.loss_scales import FixedLossScale
@@ -57,8 +56,7 @@ from tf_lossscale.loss_scales import deserialize
 from tf_lossscale.loss_scales import get
 from tf_lossscale.loss_scales import serialize
 from tf_lossscale.loss_scales import with_xla_checks
-from tf_lossscale.monitor import LossScaleMonitor
-from tf_lossscale.monitor import XlaChecks
+from tf_lossscale.monitor import LossScaleMonitor, XlaChecks
 
 if _tf_keras_now:
     from tf_lossscale.tf_keras import loss_scale_optimizer as _tf_keras_wrappers  # pylint: disable=unused-import
@@ -67,20 +65,9 @@ if _tf_keras_now:
 __version__ = "0.5.0"
 
 __all__ = [
-    "DoubleScalingError",
-    "DynamicLossScale",
-    "FixedLossScale",
-    "Float16Diagnosis",
-    "LossScale",
-    "LossScaleMonitor",
-    "LossScaleOptimizer",
-    "ReplicaContextError",
-    "UntestedReleaseWarning",
-    "XlaChecks",
-    "compat",
-    "deserialize",
-    "diagnose",
-    "get",
-    "serialize",
-    "with_xla_checks",
+    "DoubleScalingError", "DynamicLossScale", "FixedLossScale",
+    "Float16Diagnosis", "LossScale", "LossScaleMonitor",
+    "LossScaleOptimizer", "ReplicaContextError", "UntestedReleaseWarning",
+    "XlaChecks", "compat", "deserialize", "diagnose", "get", "serialize",
+    "with_xla_checks"
 ]
