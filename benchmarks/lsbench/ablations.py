@@ -13,7 +13,7 @@ is what that feature costs (`sections.fit_step`, `sections.xla_fit`,
 | the unscale | `StepParts.unscale` | hands the scaled gradients on |
 | the replica agreement | `StepParts.agree` | replica 0's flag decides |
 | the overflow record | `LossScaleOptimizer._skip_record` | records nothing |
-| the state check and policies | `DynamicLossScale._update_from_all_finite` | the rule alone: no check, no policy |
+| the state check and policies | `DynamicLossScale._step` | the rule alone: no check, no policy |
 | the XLA record | `DynamicLossScale._xla_record` (`xla_record.StepRecord`) | the rule alone: no record, no halt |
 
 The ablated steps are wrong on purpose (they apply non-finite steps, scaled
@@ -30,7 +30,7 @@ import tf_lossscale
 from lsbench import gradient_sets
 from lsbench import op_counts
 from tf_lossscale.ops import replicas
-from tf_lossscale.loss_scales import loss_scale as loss_scale_module
+from tf_lossscale.loss_scales import dynamic_rule
 from tf_lossscale.step import loss_scaled_step
 from tf_lossscale.loss_scales import xla_record
 
@@ -76,16 +76,18 @@ class NoOverflowRecord(tf_lossscale.LossScaleOptimizer):
 
 
 class UncheckedDynamicLossScale(tf_lossscale.DynamicLossScale):
-    """Outside XLA: the scale's update (`_update_from_all_finite`, what the
-    step calls) without the state check and the failure policy: the rule
-    moves the state, and `should_apply` waits for its assignments."""
+    """Outside XLA: the scale's step (`_step`, under the update's lock)
+    without the state check and the failure policy: the rule moves the
+    state, and `should_apply` waits for its assignments."""
 
-    def _update_from_all_finite(self, all_finite, *, gated=True):
+    def _step(self, all_finite, gated):
         if xla_record.in_xla_context():
-            return super()._update_from_all_finite(all_finite, gated=gated)
-        all_finite = tf.convert_to_tensor(all_finite)
-        new_state, _ = loss_scale_module.next_dynamic_state(
-            self._read_state(), all_finite, self._rule)
+            return super()._step(all_finite, gated)
+        state = dynamic_rule.DynamicState(*(
+            None if variable is None else tf.convert_to_tensor(variable)
+            for variable in self._state_variables_in_order()))
+        new_state, _ = dynamic_rule.next_dynamic_state(
+            state, all_finite, self._rule)
         assignments = self._assign_state(new_state)
         if tf.executing_eagerly():
             return None, all_finite

@@ -28,6 +28,7 @@ import tensorflow as tf
 
 import tf_lossscale
 from tf_lossscale.ops import finiteness
+from tf_lossscale.ops import float16
 from tf_lossscale.step import loss_scaled_step
 
 SMALL = 1 << 16  # Stacked, or else summed by the sentinel.
@@ -212,5 +213,5 @@ class PlainParts(tf_lossscale.LossScaleOptimizer):
     _step_parts = loss_scaled_step.FULL_STEP._replace(
         check=plain_check,
         unscale=lambda grads, variables, scale: [
-            g if loss_scaled_step.takes_gradient_as_value(v) else q
+            g if float16.takes_gradient_as_value(v) else q
             for g, v, q in zip(grads, variables, plain_unscale(grads, scale))])

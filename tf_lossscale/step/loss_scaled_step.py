@@ -212,8 +212,10 @@ def _cross_replica_step(loss_scale, apply_fn, skip_record, stats, parts,
     # the error would have stopped it without XLA; the host raises after the
     # call, or later (tf_lossscale.loss_scales.xla_checks).
     record = xla_record.record_of(loss_scale)
-    if record is not None and xla_record.in_xla_context():
-        halted, record_skip = record.halted(), skip
+    halted = (record.halted() if record is not None
+              and xla_record.in_xla_context() else None)
+    if halted is not None:  # None: a record that halts nothing.
+        record_skip = skip
         skip = lambda: tf.cond(halted, lambda: _done([]), record_skip)  # pylint: disable=unnecessary-lambda-assignment
 
     if isinstance(should_apply, bool):
