@@ -79,7 +79,8 @@ setuptools.setup(
         # than over a tensorflow-cpu. pytest-xdist: pytest.ini runs the suite
         # on a process per core.
         "test": _TENSORFLOW_EXTRAS["tensorflow"] + [
-            "pytest", "pytest-xdist", "absl-py", "matplotlib", "tensorboard" + _TF,
+            # pytest 9.2 breaks pytest-xdist 3.8's groups (pytest-xdist#1386).
+            "pytest<9.2", "pytest-xdist", "absl-py", "matplotlib", "tensorboard" + _TF,
             _TF_KERAS],
         # The documentation site: `mkdocs build --strict` (.ci/docs). Reads
         # the source with griffe; needs no TensorFlow.

@@ -65,6 +65,10 @@ def main():
     for line in sys.stdin:
         answers.write(json.dumps(_answer(json.loads(line))) + "\n")
         answers.flush()
+    # Stdin closed: the session is over. Threads that TensorFlow or a request
+    # left running would hold a normal exit (seen: 30 s and more).
+    sys.stderr.flush()
+    os._exit(0)  # pylint: disable=protected-access
 
 
 if __name__ == "__main__":
