@@ -8,6 +8,8 @@ healthy model keeps every dtype; the original model is left bit-identical.
 tf-keras: `tests/scripts/tf_keras_float16_diagnosis.py`.
 """
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -45,40 +47,69 @@ def _fit_skips(model, data, epochs=2):
 # A forward pass that overflows before a normalization.
 
 
-def _check_normalized_fix(model, data):
-    report = tf_lossscale.diagnose(model, data, scales=_SCALES)
+def _check_normalized_fix(model, data, report, fixed, weights):
+    """`weights`: the bytes of `model`'s weights before the fix."""
     assert report.first_nonfinite_layer == "boom"
-    before = [w.numpy() for w in model.weights]
-
-    fixed = report.fix(model)
-
     policies = _policies(model)
     # Keras 3's LayerNormalization computes in float32 inside, so its
     # float32 inputs need nothing more; the layers after it stay float16.
     assert _policies(fixed) == dict(policies, boom="float32")
     assert fixed is not model and fixed.loss == model.loss
-    for old, new in zip(before, fixed.weights):
-        assert old.tobytes() == new.numpy().tobytes()
+    assert len(weights) == len(fixed.weights)
+    for old, new in zip(weights, fixed.weights):
+        assert old == new.numpy().tobytes()
     for x, _ in data:
         assert np.isfinite(fixed(x)).all()
     history = _fit_skips(fixed, data)
     assert history["skipped_steps"] == [0, 0]
     assert np.isfinite(history["loss"]).all()
     assert "accuracy" in history
-    return fixed
+
+
+@functools.cache
+def _stepped_normalized_fix(global_policy):
+    """The normalized model after one step of its optimizer (slots and a
+    step count for fix to leave alone; fit would write NaN into the
+    weights: this model overflows), diagnosed and fixed under
+    `global_policy`: its state before and after, the report and the fix.
+    Cached: the test of the fix and the one of the original share it."""
+    policy = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy(global_policy)
+    try:
+        model = float16_models.normalized_model(keras)
+        data = float16_models.overflowing_data()
+        rng = np.random.default_rng(0)
+        variables = model.trainable_variables
+        model.optimizer.apply([
+            rng.standard_normal(v.shape).astype(np.float32)
+            for v in variables], variables)
+        before = _state(model)
+        report = tf_lossscale.diagnose(model, data, scales=_SCALES)
+        fixed = report.fix(model)
+        return {"model": model, "data": data, "before": before,
+                "after": _state(model), "report": report, "fixed": fixed}
+    finally:
+        keras.mixed_precision.set_global_policy(policy)
 
 
 def test_fix_keeps_float16_after_the_normalization_and_trains():
-    _check_normalized_fix(float16_models.normalized_model(keras),
-                          float16_models.overflowing_data())
+    run = _stepped_normalized_fix("float32")
+
+    _check_normalized_fix(run["model"], run["data"], run["report"],
+                          run["fixed"], run["before"]["weights"])
 
 
 def test_fix_under_mirrored_trains_every_replica():
     strategy = training.mirrored(2)
     with strategy.scope():
         model = float16_models.normalized_model(keras)
+    data = float16_models.overflowing_data()
+    report = tf_lossscale.diagnose(model, data, scales=_SCALES)
+    weights = [w.numpy().tobytes() for w in model.weights]
 
-    fixed = _check_normalized_fix(model, float16_models.overflowing_data())
+    fixed = report.fix(model)
+
+    _check_normalized_fix(model, data, report, fixed, weights)
 
     assert fixed.distribute_strategy is strategy
     assert isinstance(fixed.optimizer, tf_lossscale.LossScaleOptimizer)
@@ -101,15 +132,21 @@ def _scaled_float16_grads(model, x, y):
             for g in tape.gradient(scaled, model.trainable_variables)]
 
 
-def test_fix_gets_underflowing_gradients_to_the_variables():
+@functools.cache
+def _underflowing_fix():
+    """The underflowing model with a loss scale stuck at 1, diagnosed and
+    fixed. Cached: the tests of what fix refuses use its report too."""
     model = float16_models.underflowing_model(
         keras, optimizer=tf_lossscale.LossScaleOptimizer(
             keras.optimizers.SGD(0.1),
             tf_lossscale.DynamicLossScale(initial_loss_scale=1.0)))
     data = float16_models.underflowing_data()
     report = tf_lossscale.diagnose(model, data, scales=_SCALES)
+    return model, data, report, report.fix(model)
 
-    fixed = report.fix(model)
+
+def test_fix_gets_underflowing_gradients_to_the_variables():
+    model, data, report, fixed = _underflowing_fix()
 
     assert _policies(fixed) == _policies(model)
     low, high = report.loss_scale_range
@@ -173,24 +210,14 @@ def _state(model):
 
 @pytest.mark.parametrize("global_policy", ["float32", "mixed_float16"])
 def test_fix_leaves_the_original_as_it_was(global_policy):
-    keras.mixed_precision.set_global_policy(global_policy)
-    model = float16_models.normalized_model(keras)
-    data = float16_models.overflowing_data()
-    # A step of the optimizer: slots and a step count to leave alone (fit
-    # would write NaN into the weights: this model overflows).
-    rng = np.random.default_rng(0)
-    variables = model.trainable_variables
-    model.optimizer.apply([rng.standard_normal(v.shape).astype(np.float32)
-                           for v in variables], variables)
-    before = _state(model)
-    assert before["iterations"] == 1
-    report = tf_lossscale.diagnose(model, data, scales=_SCALES)
+    run = _stepped_normalized_fix(global_policy)
 
-    fixed = report.fix(model)
-
-    assert _state(model) == before
-    assert fixed.optimizer is not model.optimizer
-    assert model.get_layer("boom").dtype_policy.name == "mixed_float16"
+    assert run["before"]["iterations"] == 1
+    assert run["before"]["global"] == global_policy
+    assert run["after"] == run["before"]
+    assert run["fixed"].optimizer is not run["model"].optimizer
+    assert run["model"].get_layer("boom").dtype_policy.name == (
+        "mixed_float16")
 
 
 # What fix refuses.
@@ -206,26 +233,21 @@ class _Subclassed(keras.Model):
         return self.dense(x)
 
 
-@pytest.fixture(scope="module")
-def underflowing_report():
-    model = float16_models.underflowing_model(keras)
-    return tf_lossscale.diagnose(model, float16_models.underflowing_data(),
-                                 scales=[1.0, 2.0**12])
-
-
-def test_fix_refuses_a_subclassed_model_naming_what_it_supports(
-        underflowing_report):
+def test_fix_refuses_a_subclassed_model_naming_what_it_supports():
+    _, _, report, _ = _underflowing_fix()
     model = _Subclassed()
     model(np.ones((2, 8), np.float32))
 
     with pytest.raises(TypeError, match="fix supports functional and "
                        "Sequential models"):
-        underflowing_report.fix(model)
+        report.fix(model)
 
 
-def test_fix_refuses_another_model(underflowing_report):
+def test_fix_refuses_another_model():
+    _, _, report, _ = _underflowing_fix()
+
     with pytest.raises(ValueError, match="not the model this report"):
-        underflowing_report.fix(float16_models.overflowing_model(keras))
+        report.fix(float16_models.overflowing_model(keras))
 
 
 def test_fix_needs_a_compiled_model():

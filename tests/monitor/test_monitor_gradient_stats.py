@@ -38,33 +38,40 @@ _INITIAL_SCALE = 2.0**16
 _STEPS = 6
 
 
-def _expected(model, x, y, replicas, jit_compile=False):
-    """(share, headroom) of the step `fit` is about to run on `(x, y)`.
+def _expected_fn(model, replicas, jit_compile=False):
+    """`(x, y) -> (share, headroom)` of the step `fit` is about to run on
+    `(x, y)`, at the scale it will run with.
 
     The gradients are computed the way `fit` computes them: in a
     `tf.function` (graph rewrites fuse kernels, which may round otherwise
     than eager ops on some CPUs), under XLA where `fit` uses XLA (which may
     drop a float16 rounding between float32 ops: TF 2.16 does, so a
-    gradient that overflows float16 elsewhere stays finite there).
+    gradient that overflows float16 elsewhere stays finite there). Traced
+    once per fit (the scale is an argument, read like fit's from a
+    variable): a trace per step would cost an XLA compile per step.
     """
-    scale = float(model.optimizer.loss_scale())
     half = model.get_layer("half").trainable_weights
 
-    def grads(part_x, part_y):
+    @tf.function(jit_compile=jit_compile)
+    def grads(part_x, part_y, scale):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(keras.losses.mean_squared_error(
                 part_y, model(part_x, training=True)))
             scaled = loss * (1.0 / replicas) * scale
         return tape.gradient(scaled, half)
 
-    grads = tf.function(grads, jit_compile=jit_compile)
-    values = []
-    for part_x, part_y in zip(np.split(x, replicas), np.split(y, replicas)):
-        values += [np.ravel(g) for g in grads(part_x, part_y)]
-    values = np.abs(np.concatenate(values))
-    headroom = (math.log2(65504.0) - math.log2(float(values.max()))
-                if np.isfinite(values).all() else -math.inf)
-    return float(np.mean(values < 2.0**-14)), headroom
+    def expected(x, y):
+        scale = tf.constant(float(model.optimizer.loss_scale()))
+        values = []
+        for part_x, part_y in zip(np.split(x, replicas),
+                                  np.split(y, replicas)):
+            values += [np.ravel(g) for g in grads(part_x, part_y, scale)]
+        values = np.abs(np.concatenate(values))
+        headroom = (math.log2(65504.0) - math.log2(float(values.max()))
+                    if np.isfinite(values).all() else -math.inf)
+        return float(np.mean(values < 2.0**-14)), headroom
+
+    return expected
 
 
 class _Expect(keras.callbacks.Callback):
@@ -75,13 +82,16 @@ class _Expect(keras.callbacks.Callback):
         super().__init__()
         self._x, self._y, self._replicas = x, y, replicas
         self._jit_compile = jit_compile
+        self._expected = None
         self.expected, self.logged = [], []
+
+    def on_train_begin(self, logs=None):
+        self._expected = _expected_fn(self.model, self._replicas,
+                                      self._jit_compile)
 
     def on_train_batch_begin(self, batch, logs=None):
         rows = slice(batch * _BATCH, (batch + 1) * _BATCH)
-        self.expected.append(_expected(
-            self.model, self._x[rows], self._y[rows], self._replicas,
-            self._jit_compile))
+        self.expected.append(self._expected(self._x[rows], self._y[rows]))
 
     def on_train_batch_end(self, batch, logs=None):
         self.logged.append((logs["grad_underflow_share"],
@@ -157,37 +167,41 @@ def test_underflow_share_counts_values_below_float16_normals():
     assert expect.logged[0][0] > 0.9
 
 
-def test_a_step_traced_before_the_monitor_is_traced_again_with_it():
-    model = models.mixed_float16_model(_INITIAL_SCALE)
-    x, y = training.summed_data(_BATCH, _STEPS)
-    model.fit(x, y, batch_size=_BATCH, epochs=1, shuffle=False, verbose=0)
-    expect = _Expect(x, y, 1)
-
-    model.fit(x, y, batch_size=_BATCH, epochs=1, shuffle=False, verbose=0,
-              callbacks=[tf_lossscale.LossScaleMonitor(gradient_stats=True),
-                         expect])
-
-    assert expect.logged == expect.expected
-
-
 class _KeepStats(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self.stats = self.model.optimizer._gradient_stats  # pylint: disable=protected-access
 
 
-def test_steps_after_the_monitors_fit_record_nothing():
+@pytest.fixture(scope="module")
+def fits_around_the_monitor():
+    """One model fit three times: without the monitor (its step traced
+    without the option), with it, then without it again after the record's
+    values were set to a sentinel."""
     model = models.mixed_float16_model(_INITIAL_SCALE)
     x, y = training.summed_data(_BATCH, _STEPS)
-    keep = _KeepStats()
+    model.fit(x, y, batch_size=_BATCH, epochs=1, shuffle=False, verbose=0)
+    expect, keep = _Expect(x, y, 1), _KeepStats()
     model.fit(x, y, batch_size=_BATCH, epochs=1, shuffle=False, verbose=0,
               callbacks=[tf_lossscale.LossScaleMonitor(gradient_stats=True),
-                         keep])
+                         expect, keep])
     sentinel = np.array([7.0, 9.0, 11.0], np.float32)
     keep.stats.values.assign(sentinel)
-
     model.fit(x, y, batch_size=_BATCH, epochs=1, shuffle=False, verbose=0)
+    return {"expect": expect, "sentinel": sentinel,
+            "after": keep.stats.values.numpy()}
 
-    np.testing.assert_array_equal(keep.stats.values.numpy(), sentinel)
+
+def test_a_step_traced_before_the_monitor_is_traced_again_with_it(
+        fits_around_the_monitor):
+    expect = fits_around_the_monitor["expect"]
+
+    assert len(expect.logged) == _STEPS
+    assert expect.logged == expect.expected
+
+
+def test_steps_after_the_monitors_fit_record_nothing(fits_around_the_monitor):
+    np.testing.assert_array_equal(fits_around_the_monitor["after"],
+                                  fits_around_the_monitor["sentinel"])
 
 
 def test_gradient_stats_must_be_a_bool():

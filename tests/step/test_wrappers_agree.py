@@ -4,11 +4,8 @@ tf-keras wrappers report the same `last_nonfinite_variables()` for the same
 model (`tf_lossscale._internal.checks.replica_context`,
 `tf_lossscale.step.optimizer_protocol`)."""
 
+import inspect
 import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import keras
 import numpy as np
@@ -16,13 +13,11 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from tests import helpers
 from tests.helpers import training
 import tf_lossscale
 from tf_lossscale._internal import checks as validation
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
-
 
 
 def _cross_replica_step(make_optimizer):
@@ -62,17 +57,10 @@ def test_every_wrapper_refuses_cross_replica_context_with_one_error():
     assert "replica context" in messages.pop()
 
 
-# The same functional model, built and stepped with a NaN in one gradient:
-# prints `last_nonfinite_variables()` as JSON.
-_REPORT = textwrap.dedent("""
-    import json, os
-    import numpy as np
-    import tensorflow as tf
-    import tf_lossscale
-    if os.environ.get("TF_USE_LEGACY_KERAS") == "1":
-        import tf_keras as k
-    else:
-        import keras as k
+def _overflowed_variables(k):
+    """`last_nonfinite_variables()` after a step of one functional model,
+    built with the Keras module `k`, with a NaN and an Inf in two of its
+    gradients. Runs here with Keras 3 and in the tf-keras interpreter."""
     inputs = k.Input((2,))
     hidden = k.layers.Dense(3, name="hidden")(inputs)
     model = k.Model(inputs, k.layers.Dense(1, name="out")(hidden))
@@ -83,26 +71,21 @@ _REPORT = textwrap.dedent("""
     optimizer.apply_gradients(zip(
         [tf.constant(g) for g in grads], model.trainable_variables))
     assert int(optimizer.skipped_steps) == 1
-    print(json.dumps(optimizer.last_nonfinite_variables()))
-""")
+    return optimizer.last_nonfinite_variables()
 
 
-def _report(legacy_keras):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-               TF_USE_LEGACY_KERAS="1" if legacy_keras else "0")
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(helpers.ROOT), env.get("PYTHONPATH")) if p)
-    done = subprocess.run([sys.executable, "-c", _REPORT], env=env,
-                          cwd=str(helpers.ROOT), capture_output=True, text=True,
-                          timeout=600, check=False)
-    assert done.returncode == 0, done.stderr[-6000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def test_keras_3_and_tf_keras_report_the_same_overflowed_variables():
-    keras_3 = _report(legacy_keras=False)
+def test_keras_3_and_tf_keras_report_the_same_overflowed_variables(
+        tf_keras_interpreter):
+    keras_3 = _overflowed_variables(keras)
     assert keras_3 == ["hidden/bias", "out/kernel"]
-    assert _report(legacy_keras=True) == keras_3
+    # The same function in the session's process where `tf.keras` is
+    # tf-keras (TF_USE_LEGACY_KERAS=1), not a process of its own.
+    printed = tf_keras_interpreter.run(
+        "import json\nimport numpy as np\nimport tensorflow as tf\n"
+        "import tf_keras\nimport tf_lossscale\n"
+        + inspect.getsource(_overflowed_variables)
+        + "print(json.dumps(_overflowed_variables(tf_keras)))\n")
+    assert json.loads(printed[-1]) == keras_3
 
 
 def test_tf_keras_reports_paths_in_process():
