@@ -7,8 +7,13 @@ Otherwise training resumes with another scale than it stopped with, and the
 next growth comes at another step.
 
 Old configs (TF <= 2.3, tf-keras 2.4+, Keras 3) go through `from_config`.
+
+A saved model that trains on is the uninterrupted run the loaded one must
+follow; trained models and their saved files are shared by the cases that
+read them.
 """
 
+import functools
 import json
 import warnings
 
@@ -31,7 +36,9 @@ _LOSS_SCALE_CONFIG = {"initial_loss_scale": 2.0**8, "increment_period": 3,
                       "multiplier": 2.0}
 
 
-pytestmark = pytest.mark.usefixtures("keras_isolation")
+# One xdist worker runs the file, so each shared model is trained once.
+pytestmark = [pytest.mark.usefixtures("keras_isolation"),
+              pytest.mark.xdist_group("keras_saving")]
 
 
 def _optimizer():
@@ -105,22 +112,22 @@ def _assert_same_optimizer_config(restored, original):
 def test_keras_file_resumes_training_exactly_where_it_stopped(
         policy, xla, tmp_path):
     keras.mixed_precision.set_global_policy(policy)
+    # Saved, then trained on: the run the loaded model must follow.
     uninterrupted = _compiled_model(jit_compile=xla)
-    interrupted = _compiled_model(jit_compile=xla)
-    _train(interrupted, _STEPS_BEFORE_SAVE)
-    saved_state = _state(interrupted)
+    _train(uninterrupted, _STEPS_BEFORE_SAVE)
+    saved_state = _state(uninterrupted)
     path = str(tmp_path / "model.keras")
-    interrupted.save(path)
+    uninterrupted.save(path)
+    _assert_same_state(_state(uninterrupted), saved_state)
 
     loaded = keras.models.load_model(path)
     # The XLA step's record of events is not saved: the file is the same.
     if xla:
         loaded.compile(loaded.optimizer, "mse", jit_compile=True)
 
-    _assert_same_optimizer_config(loaded.optimizer, interrupted.optimizer)
+    _assert_same_optimizer_config(loaded.optimizer, uninterrupted.optimizer)
     _assert_same_state(_state(loaded), saved_state)
     assert saved_state["good_steps"] > 0 and saved_state["skipped_steps"] > 0
-    _train(uninterrupted, _STEPS_BEFORE_SAVE)
     for step, finite in enumerate(_STEPS_AFTER_LOAD,
                                   start=len(_STEPS_BEFORE_SAVE)):
         _train(loaded, [finite], first_step=step)
@@ -161,14 +168,18 @@ def test_serialize_deserialize_round_trips_through_json(
 # tf.train.Checkpoint.
 
 
-def _trained_model():
+@pytest.fixture(scope="module")
+def trained_model():
+    """A model trained through _STEPS_BEFORE_SAVE, for tests that only read
+    it."""
     model = _compiled_model()
     _train(model, _STEPS_BEFORE_SAVE)
     return model
 
 
-def test_checkpoint_restores_loss_scale_and_optimizer_state(tmp_path):
-    model = _trained_model()
+def test_checkpoint_restores_loss_scale_and_optimizer_state(
+        tmp_path, trained_model):
+    model = trained_model
     path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
         str(tmp_path / "ckpt"))
     restored = _compiled_model(seed=1)
@@ -180,9 +191,9 @@ def test_checkpoint_restores_loss_scale_and_optimizer_state(tmp_path):
     _assert_same_state(_state(restored), _state(model))
 
 
-def test_checkpoint_holds_loss_scale_variables_under_loss_scale(tmp_path):
-    model = _trained_model()
-    optimizer = model.optimizer
+def test_checkpoint_holds_loss_scale_variables_under_loss_scale(
+        tmp_path, trained_model):
+    optimizer = trained_model.optimizer
     path = tf.train.Checkpoint(optimizer=optimizer).save(
         str(tmp_path / "ckpt"))
     values = {name: tf.train.load_variable(path, name)
@@ -226,17 +237,33 @@ def _keras_loss_scale_optimizer():
         dynamic_growth_steps=_LOSS_SCALE_CONFIG["increment_period"])
 
 
-def _save_and_load_weights(make_optimizer, build_before_load, tmp_path):
-    """Trains, saves weights, loads them into a new model.
+@pytest.fixture(scope="module")
+def saved_weights(tmp_path_factory):
+    """`make_optimizer -> (model, path)`: a model compiled with
+    `make_optimizer()`, trained, its weights saved at `path`. One per
+    optimizer, shared by both build orders."""
+    directory = tmp_path_factory.mktemp("weights")
+
+    @functools.cache
+    def save(make_optimizer):
+        model = models.tiny_model()
+        model.compile(make_optimizer(), "mse")
+        _train(model, _STEPS_BEFORE_SAVE)
+        path = str(directory /
+                   f"{type(model.optimizer).__module__}.weights.h5")
+        model.save_weights(path)
+        return model, path
+
+    return save
+
+
+def _save_and_load_weights(make_optimizer, build_before_load, saved_weights):
+    """Trains, saves weights (`saved_weights`), loads them into a new model.
 
     Returns the trained model, the model loaded into, that model's state just
     before loading, and the warnings Keras gave while loading.
     """
-    model = models.tiny_model()
-    model.compile(make_optimizer(), "mse")
-    _train(model, _STEPS_BEFORE_SAVE)
-    path = str(tmp_path / f"{type(model.optimizer).__module__}.weights.h5")
-    model.save_weights(path)
+    model, path = saved_weights(make_optimizer)
     loaded = models.tiny_model(seed=1)
     loaded.compile(make_optimizer(), "mse")
     if build_before_load:
@@ -253,11 +280,11 @@ def _save_and_load_weights(make_optimizer, build_before_load, tmp_path):
 @pytest.mark.parametrize("build_before_load", [False, True],
                          ids=["unbuilt_optimizer", "built_optimizer"])
 def test_load_weights_treats_optimizer_state_as_keras_does(
-        build_before_load, tmp_path):
+        build_before_load, saved_weights):
     keras_saved, keras_loaded, _, keras_warnings = _save_and_load_weights(
-        _keras_loss_scale_optimizer, build_before_load, tmp_path)
+        _keras_loss_scale_optimizer, build_before_load, saved_weights)
     saved, loaded, before_load, our_warnings = _save_and_load_weights(
-        _optimizer, build_before_load, tmp_path)
+        _optimizer, build_before_load, saved_weights)
     keras_restored_optimizer = (
         int(keras_loaded.optimizer.iterations)
         == int(keras_saved.optimizer.iterations))

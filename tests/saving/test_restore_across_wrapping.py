@@ -13,9 +13,15 @@ matrix trains eagerly; the usual order traced (`fit`, `tf.function`) is
 checked for three optimizers. A float32 project moving to mixed_float16 (and
 back) is checked against the step from the saved state set by hand. `.keras`
 files have their own paths, tested at the end.
+
+Each saved run is made once and shared by the cases that restore it, and the
+models are built once and set back to their seeded weights before each use:
+building a Keras model costs more than the step a case takes.
 """
 
 import functools
+import pathlib
+import typing
 import warnings
 
 import keras
@@ -63,7 +69,11 @@ STEPS_BEFORE_SAVE = 2
 
 
 def _optimizer(name, kind):
+    """`name` of OPTIMIZERS, plain, wrapped in ours, or ("keras_wrapped") in
+    Keras' own `LossScaleOptimizer`."""
     inner = OPTIMIZERS[name]()
+    if kind == "keras_wrapped":
+        return keras.mixed_precision.LossScaleOptimizer(inner)
     return LossScaleOptimizer(inner) if kind == "wrapped" else inner
 
 
@@ -98,14 +108,21 @@ def _custom_loop(model, optimizer, traced=False):
     return train
 
 
+def _fit_on(model, x, y):
+    """One epoch of `model.fit` on `(x, y)` in batches of BATCH, in order.
+    A dataset of the arrays, which are the same batches: fit's own slicing
+    of numpy arrays traces three functions at every call."""
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH),
+              epochs=1, shuffle=False, verbose=0)
+
+
 def _trainer(model, optimizer, loop):
     """A function training `model` on `(x, y)` in one of LOOPS."""
     if loop.endswith("_loop"):
         return _custom_loop(model, optimizer, traced=loop == "traced_loop")
     model.compile(optimizer=optimizer, loss="mse",
                   run_eagerly=loop == "eager_fit")
-    return functools.partial(model.fit, batch_size=BATCH, epochs=1,
-                             shuffle=False, verbose=0)
+    return functools.partial(_fit_on, model)
 
 
 def _assert_same(actual, expected, what):
@@ -128,23 +145,58 @@ def _assert_continues_as(model, optimizer, expected):
 
 
 @pytest.fixture(scope="module")
-def saved_run(tmp_path_factory):
-    """`(name, kind, loop) -> (checkpoint, (weights, optimizer state))`: a
-    run saved after STEPS_BEFORE_SAVE steps, and where its next step took
-    it. One per optimizer, kind and loop, shared by the cases that restore
-    it."""
+def fresh_model():
+    """`(seed, use) -> tiny_model(seed)` as just built: one model per seed and
+    use (a loop, a policy), its weights set back to the seeded ones at each
+    call. A restore or a run needs those values, not a new object; fit
+    loops compile it again with their optimizer."""
+    built = {}
+
+    def fresh(seed, use):
+        if (seed, use) not in built:
+            model = tiny_model(seed)
+            built[seed, use] = model, training.values_of(model.weights)
+        model, seeded = built[seed, use]
+        for weight, value in zip(model.weights, seeded, strict=True):
+            weight.assign(value)
+        return model
+
+    return fresh
+
+
+class SavedRun(typing.NamedTuple):
+    checkpoint: str  # Written after STEPS_BEFORE_SAVE steps.
+    keras_file: pathlib.Path | None  # The same state, `.keras`; `fit` only.
+    at_save: tuple  # (weights, optimizer state) when saved.
+    after_next: tuple  # Where the uninterrupted run's next step took them.
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory, fresh_model):
+    """`(name, kind, loop) -> SavedRun`: one run per optimizer, kind and loop,
+    shared by the cases that restore it."""
     directory = tmp_path_factory.mktemp("saved_runs")
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def run(name, kind, loop):
-        model = tiny_model(seed=0)
+        model = fresh_model(0, loop)
         optimizer = _optimizer(name, kind)
         train = _trainer(model, optimizer, loop)
+        # Built before the first step, which a traced loop then traces once
+        # instead of twice (creating variables); the values are the same.
+        optimizer.build(model.trainable_variables)
         train(*training.normal_data(BATCH, STEPS_BEFORE_SAVE))
-        path = tf.train.Checkpoint(model=model, optimizer=optimizer).write(
-            str(directory / f"{name}_{kind}_{loop}"))
+        stem = directory / f"{name}_{kind}_{loop}"
+        checkpoint = tf.train.Checkpoint(
+            model=model, optimizer=optimizer).write(str(stem))
+        keras_file = None
+        if loop == "fit":
+            keras_file = stem.with_suffix(".keras")
+            model.save(keras_file)
+        at_save = _snapshot(model, optimizer)
         train(*training.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
-        return path, _snapshot(model, optimizer)
+        return SavedRun(checkpoint, keras_file, at_save,
+                        _snapshot(model, optimizer))
 
     return run
 
@@ -156,19 +208,20 @@ def saved_run(tmp_path_factory):
                          ids=[f"{a}_to_{b}" for a, b in DIRECTIONS])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_next_step_after_restore_is_the_uninterrupted_one(
-        name, saved_by, restored_into, build_first, loop, saved_run):
-    path, expected = saved_run(name, saved_by, loop)
-    model = tiny_model(seed=1)
+        name, saved_by, restored_into, build_first, loop, saved_run,
+        fresh_model):
+    run = saved_run(name, saved_by, loop)
+    model = fresh_model(1, loop)
     optimizer = _optimizer(name, restored_into)
     train = _trainer(model, optimizer, loop)
     if build_first:
         optimizer.build(model.trainable_variables)
 
     tf.train.Checkpoint(model=model, optimizer=optimizer).restore(
-        path).expect_partial()
+        run.checkpoint).expect_partial()
     train(*training.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
 
-    _assert_continues_as(model, optimizer, expected)
+    _assert_continues_as(model, optimizer, run.after_next)
 
 
 class _GrowingSGD(keras.optimizers.SGD):
@@ -190,9 +243,9 @@ class _GrowingSGD(keras.optimizers.SGD):
 @pytest.mark.parametrize("saved_by, restored_into", DIRECTIONS,
                          ids=[f"{a}_to_{b}" for a, b in DIRECTIONS])
 def test_custom_optimizer_state_outside_its_variables_restores_before_build(
-        saved_by, restored_into, tmp_path):
+        saved_by, restored_into, tmp_path, fresh_model):
     def run(kind, seed):
-        model = tiny_model(seed)
+        model = fresh_model(seed, "eager_loop")
         optimizer = _GrowingSGD(0.01)
         if kind == "wrapped":
             optimizer = LossScaleOptimizer(optimizer)
@@ -223,26 +276,19 @@ def test_custom_optimizer_state_outside_its_variables_restores_before_build(
 @pytest.mark.parametrize("build_first", [False, True],
                          ids=["restored_before_build", "restored_after_build"])
 def test_keras_wrapper_checkpoint_gives_its_inner_state_in_any_order(
-        build_first, tmp_path):
-    source = tiny_model(seed=0)
-    source_optimizer = keras.mixed_precision.LossScaleOptimizer(
-        keras.optimizers.Adam(0.01))
-    train = _custom_loop(source, source_optimizer)
-    train(*training.normal_data(BATCH, STEPS_BEFORE_SAVE))
-    path = tf.train.Checkpoint(model=source, optimizer=source_optimizer).write(
-        str(tmp_path / "keras"))
-    train(*training.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
-    model = tiny_model(seed=1)
+        build_first, saved_run, fresh_model):
+    run = saved_run("adam", "keras_wrapped", "eager_loop")
+    model = fresh_model(1, "eager_loop")
     optimizer = _optimizer("adam", "wrapped")
     if build_first:
         optimizer.build(model.trainable_variables)
 
     tf.train.Checkpoint(model=model, optimizer=optimizer).restore(
-        path).expect_partial()
+        run.checkpoint).expect_partial()
     _custom_loop(model, optimizer)(
         *training.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
 
-    _assert_continues_as(model, optimizer, _snapshot(source, source_optimizer))
+    _assert_continues_as(model, optimizer, run.after_next)
 
 
 @pytest.mark.parametrize("version", ["v0_1", "v0_2", "v0_3", "v0_4"])
@@ -274,27 +320,57 @@ def test_earlier_wrapper_checkpoints_restore_before_build(version):
 @pytest.mark.parametrize("loop", ["traced_loop", "fit"])
 @pytest.mark.parametrize("name", ["adafactor", "adam", "sgd_momentum"])
 def test_plain_checkpoint_resumes_wrapped_in_traced_training(
-        name, loop, saved_run):
-    path, expected = saved_run(name, "plain", loop)
-    model = tiny_model(seed=1)
+        name, loop, saved_run, fresh_model):
+    run = saved_run(name, "plain", loop)
+    model = fresh_model(1, loop)
     optimizer = _optimizer(name, "wrapped")
     train = _trainer(model, optimizer, loop)
 
-    tf.train.Checkpoint(model=model, optimizer=optimizer).restore(path)
+    tf.train.Checkpoint(model=model, optimizer=optimizer).restore(
+        run.checkpoint)
     train(*training.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
 
-    _assert_continues_as(model, optimizer, expected)
+    _assert_continues_as(model, optimizer, run.after_next)
 
 
 # ---------------------------------------------------------------------------
 # Across precisions: a float32 project moves to mixed_float16, and back.
 
 
-def _precision_run(name, kind, policy, seed):
+def _precision_run(name, kind, policy, seed, fresh_model):
     keras.mixed_precision.set_global_policy(policy)
-    model = tiny_model(seed)
+    model = fresh_model(seed, policy)
     optimizer = _optimizer(name, kind)
     return model, optimizer, _custom_loop(model, optimizer)
+
+
+@pytest.fixture(scope="module")
+def saved_in_other_precision(tmp_path_factory, fresh_model):
+    """`(name, saved, restored) -> (checkpoint, (weights, optimizer state))`:
+    a run saved as `saved` (kind, policy), and the step from its saved state
+    set by hand as `restored`: the uninterrupted run in the new precision."""
+    directory = tmp_path_factory.mktemp("precisions")
+
+    @functools.cache
+    def save(name, saved, restored):
+        source, source_optimizer, train = _precision_run(
+            name, *saved, seed=0, fresh_model=fresh_model)
+        train(*training.normal_data(BATCH, STEPS_BEFORE_SAVE))
+        path = tf.train.Checkpoint(
+            model=source, optimizer=source_optimizer).write(
+                str(directory / "_".join((name, *saved, *restored))))
+        reference, reference_optimizer, reference_train = _precision_run(
+            name, *restored, seed=1, fresh_model=fresh_model)
+        reference_optimizer.build(reference.trainable_variables)
+        for variable, value in zip(
+                reference.weights + _inner(reference_optimizer).variables,
+                source.weights + _inner(source_optimizer).variables,
+                strict=True):
+            variable.assign(value)
+        reference_train(*training.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
+        return path, _snapshot(reference, reference_optimizer)
+
+    return save
 
 
 @pytest.mark.parametrize("build_first", [False, True],
@@ -305,32 +381,18 @@ def _precision_run(name, kind, policy, seed):
 ], ids=["float32_plain_to_mixed_wrapped", "mixed_wrapped_to_float32_plain"])
 @pytest.mark.parametrize("name", ["adafactor", "adam", "sgd_momentum"])
 def test_next_step_across_precisions_is_the_one_from_the_saved_state(
-        name, saved, restored, build_first, tmp_path):
-    source, source_optimizer, train = _precision_run(name, *saved, seed=0)
-    train(*training.normal_data(BATCH, STEPS_BEFORE_SAVE))
-    path = tf.train.Checkpoint(model=source, optimizer=source_optimizer).write(
-        str(tmp_path / "saved"))
-    # The step from the saved state, set by hand: the uninterrupted run in
-    # the new precision.
-    reference, reference_optimizer, reference_train = _precision_run(
-        name, *restored, seed=1)
-    reference_optimizer.build(reference.trainable_variables)
-    for variable, value in zip(
-            reference.weights + _inner(reference_optimizer).variables,
-            source.weights + _inner(source_optimizer).variables,
-            strict=True):
-        variable.assign(value)
-    reference_train(*training.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
-
-    model, optimizer, train = _precision_run(name, *restored, seed=2)
+        name, saved, restored, build_first, saved_in_other_precision,
+        fresh_model):
+    path, expected = saved_in_other_precision(name, saved, restored)
+    model, optimizer, train = _precision_run(name, *restored, seed=2,
+                                             fresh_model=fresh_model)
     if build_first:
         optimizer.build(model.trainable_variables)
     tf.train.Checkpoint(model=model, optimizer=optimizer).restore(
         path).expect_partial()
     train(*training.normal_data(BATCH, seed=STEPS_BEFORE_SAVE))
 
-    _assert_continues_as(model, optimizer,
-                         _snapshot(reference, reference_optimizer))
+    _assert_continues_as(model, optimizer, expected)
 
 
 # ---------------------------------------------------------------------------
@@ -338,8 +400,7 @@ def test_next_step_across_precisions_is_the_one_from_the_saved_state(
 
 
 def _fit(model, steps, first):
-    model.fit(*training.normal_data(BATCH, steps, seed=first), batch_size=BATCH,
-              epochs=1, shuffle=False, verbose=0)
+    _fit_on(model, *training.normal_data(BATCH, steps, seed=first))
 
 
 def _load_weights_warnings(model, path):
@@ -349,81 +410,62 @@ def _load_weights_warnings(model, path):
     return [str(w.message) for w in caught]
 
 
-@pytest.fixture(scope="module")
-def saved_keras_file(tmp_path_factory):
-    """`(name, kind) -> (.keras path, snapshot saved, snapshot after the next
-    fit step)`, trained with `fit` in float32."""
-    directory = tmp_path_factory.mktemp("keras_files")
-
-    @functools.lru_cache(maxsize=None)
-    def save(name, kind):
-        model = tiny_model(seed=0)
-        model.compile(optimizer=_optimizer(name, kind), loss="mse")
-        _fit(model, STEPS_BEFORE_SAVE, first=0)
-        path = directory / f"{name}_{kind}.keras"
-        model.save(path)
-        saved = _snapshot(model, model.optimizer)
-        _fit(model, 1, first=STEPS_BEFORE_SAVE)
-        return path, saved, _snapshot(model, model.optimizer)
-
-    return save
-
-
 @pytest.mark.parametrize("name", ["adafactor", "adam"])
 def test_loaded_plain_optimizer_keeps_its_state_once_wrapped(
-        name, saved_keras_file):
-    path, _, expected = saved_keras_file(name, "plain")
-    model = keras.models.load_model(path)
+        name, saved_run):
+    run = saved_run(name, "plain", "fit")
+    model = keras.models.load_model(run.keras_file)
 
     model.compile(optimizer=LossScaleOptimizer(model.optimizer), loss="mse")
     _fit(model, 1, first=STEPS_BEFORE_SAVE)
 
-    _assert_continues_as(model, model.optimizer, expected)
+    _assert_continues_as(model, model.optimizer, run.after_next)
 
 
 @pytest.mark.parametrize("name", ["adafactor", "adam"])
 def test_loaded_wrapper_hands_its_state_over_to_its_inner_optimizer(
-        name, saved_keras_file):
-    path, _, expected = saved_keras_file(name, "wrapped")
-    model = keras.models.load_model(path)
+        name, saved_run):
+    run = saved_run(name, "wrapped", "fit")
+    model = keras.models.load_model(run.keras_file)
 
     model.compile(optimizer=model.optimizer.inner_optimizer, loss="mse")
     _fit(model, 1, first=STEPS_BEFORE_SAVE)
 
-    _assert_continues_as(model, model.optimizer, expected)
+    _assert_continues_as(model, model.optimizer, run.after_next)
 
 
 @pytest.mark.parametrize("name", ["adafactor", "adam"])
-def test_plain_keras_file_loads_into_a_built_wrapper(name, saved_keras_file):
-    path, _, expected = saved_keras_file(name, "plain")
-    model = tiny_model(seed=1)
+def test_plain_keras_file_loads_into_a_built_wrapper(name, saved_run,
+                                                    fresh_model):
+    run = saved_run(name, "plain", "fit")
+    model = fresh_model(1, "fit")
     model.compile(optimizer=_optimizer(name, "wrapped"), loss="mse")
     model.optimizer.build(model.trainable_variables)
 
-    messages = _load_weights_warnings(model, path)
+    messages = _load_weights_warnings(model, run.keras_file)
     _fit(model, 1, first=STEPS_BEFORE_SAVE)
 
     # Nothing reported lost: the inner optimizer's own entry, which a plain
     # optimizer's file lacks, is not missed.
     assert not [m for m in messages if "Skipping" in m], messages
-    _assert_continues_as(model, model.optimizer, expected)
+    _assert_continues_as(model, model.optimizer, run.after_next)
 
 
 def test_plain_keras_file_gives_a_mixed_float16_model_its_state(
-        saved_keras_file):
+        saved_run, fresh_model):
     # The model rebuilt under the new policy, as the README describes.
-    path, saved, _ = saved_keras_file("adam", "plain")
+    run = saved_run("adam", "plain", "fit")
     keras.mixed_precision.set_global_policy("mixed_float16")
-    model = tiny_model(seed=1)
+    model = fresh_model(1, "mixed_float16")
     model.compile(optimizer=_optimizer("adam", "wrapped"), loss="mse")
     model.optimizer.build(model.trainable_variables)
 
-    messages = _load_weights_warnings(model, path)
+    messages = _load_weights_warnings(model, run.keras_file)
 
     assert not [m for m in messages if "Skipping" in m], messages
     weights, state = _snapshot(model, model.optimizer)
-    _assert_same(weights, saved[0], "weight")
-    _assert_same(state, saved[1], "optimizer variable")
+    _assert_same(weights, run.at_save[0], "weight")
+    _assert_same(state, run.at_save[1], "optimizer variable")
     _fit(model, 1, first=STEPS_BEFORE_SAVE)
     assert int(model.optimizer.iterations) == STEPS_BEFORE_SAVE + 1
 
@@ -432,9 +474,9 @@ def test_plain_keras_file_gives_a_mixed_float16_model_its_state(
     ("plain", "wrapped"), ("wrapped", "plain")],
     ids=["plain_file_into_unbuilt_wrapper", "wrapped_file_into_plain"])
 def test_optimizer_state_that_cannot_be_loaded_is_reported(
-        saved_by, restored_into, saved_keras_file):
-    path, _, _ = saved_keras_file("adam", saved_by)
-    model = tiny_model(seed=1)
+        saved_by, restored_into, saved_run, fresh_model):
+    run = saved_run("adam", saved_by, "fit")
+    model = fresh_model(1, "fit")
     optimizer = _optimizer("adam", restored_into)
     model.compile(optimizer=optimizer, loss="mse")
     if restored_into == "plain":
@@ -442,7 +484,7 @@ def test_optimizer_state_that_cannot_be_loaded_is_reported(
         optimizer.build(model.trainable_variables)
     state_before = _state_of(optimizer)
 
-    messages = _load_weights_warnings(model, path)
+    messages = _load_weights_warnings(model, run.keras_file)
 
     assert any(f"Skipping variable loading for optimizer '{optimizer.name}'"
                in message for message in messages), messages

@@ -9,7 +9,9 @@ model) it takes one more step and checks that training continues exactly as
 it would have: bit for bit like a fresh model set to the recorded values and
 stepped on this machine. The weights the fixture recorded after that step
 are not the reference: matmul and reduction kernels round differently on
-other CPUs (AVX-512 or not) and TensorFlow versions.
+other CPUs (AVX-512 or not) and TensorFlow versions. The fresh models (the
+reference, the one a checkpoint is read into) are made once and set back to
+their values as built before each use, so that each traces its step once.
 """
 
 import json
@@ -23,8 +25,11 @@ import tensorflow as tf
 import tf_lossscale
 from tests.fixtures import make_fixtures
 from tests import helpers
+from tests.helpers.training import values_of
 
-pytestmark = pytest.mark.usefixtures("keras_isolation")
+# One xdist worker runs the file, so each shared model is built once.
+pytestmark = [pytest.mark.usefixtures("keras_isolation"),
+              pytest.mark.xdist_group("saved_state_fixtures")]
 
 FIXTURES = helpers.FIXTURES
 # v0_1: written by the 0.1.0 release. v0_2: written by the 0.2.0 release
@@ -69,10 +74,36 @@ def _state_after(model, optimizer, step_batch):
     }
 
 
-def _assert_next_step_as_on_this_machine(model, optimizer, expected):
+@pytest.fixture(scope="module")
+def fresh_compiled_model():
+    """`use -> (model, optimizer)`: `make_fixtures.compiled_model()` under the
+    global policy, its optimizer built, every variable set back to its value
+    as built at each call. One per use and policy."""
+    made = {}
+
+    def fresh(use):
+        key = use, keras.mixed_precision.global_policy().name
+        if key not in made:
+            model, optimizer = make_fixtures.compiled_model()
+            optimizer.build(model.trainable_variables)
+            state = model.weights + optimizer.variables
+            made[key] = model, optimizer, state, values_of(state)
+        model, optimizer, state, values = made[key]
+        for variable, value in zip(state, values, strict=True):
+            variable.assign(value)
+        # The loss of the next step alone: Keras 3.10's `train_on_batch`
+        # keeps the loss's running mean across calls (3.15's resets it).
+        model.reset_metrics()
+        return model, optimizer
+
+    return fresh
+
+
+def _assert_next_step_as_on_this_machine(model, optimizer, expected,
+                                         fresh_compiled_model):
     """One more step from the loaded state equals the same step taken here
     by a fresh model assigned the recorded values."""
-    reference, reference_optimizer = make_fixtures.compiled_model()
+    reference, reference_optimizer = fresh_compiled_model("reference")
     make_fixtures.assign_recorded_state(reference, reference_optimizer,
                                         expected)
     _assert_state_as_recorded(reference, reference_optimizer, expected)
@@ -98,7 +129,7 @@ def _keras_series_of(path):
     return tuple(int(part) for part in version.split(".")[:2])
 
 
-def _load_model_file(path):
+def _load_model_file(path, fresh_compiled_model):
     """The model of the `.keras` file at `path`, compiled with its optimizer.
 
     Keras reads the model configs of files that it or an older Keras wrote;
@@ -110,32 +141,35 @@ def _load_model_file(path):
     running = tuple(int(part) for part in keras.__version__.split(".")[:2])
     if running >= _keras_series_of(path):
         return keras.models.load_model(path)
-    model, optimizer = make_fixtures.compiled_model()
-    optimizer.build(model.trainable_variables)
+    model, _ = fresh_compiled_model("loaded")
     model.load_weights(path)
     return model
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_keras_file_loads_with_recorded_state_and_trains_on(version):
+def test_keras_file_loads_with_recorded_state_and_trains_on(
+        version, fresh_compiled_model):
     keras.mixed_precision.set_global_policy("mixed_float16")
-    model = _load_model_file(FIXTURES / f"model_{version}.keras")
+    model = _load_model_file(FIXTURES / f"model_{version}.keras",
+                             fresh_compiled_model)
     assert isinstance(model.optimizer, tf_lossscale.LossScaleOptimizer)
     expected = _expected(version)
     _assert_state_as_recorded(model, model.optimizer, expected)
-    _assert_next_step_as_on_this_machine(model, model.optimizer, expected)
+    _assert_next_step_as_on_this_machine(model, model.optimizer, expected,
+                                         fresh_compiled_model)
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_checkpoint_restores_recorded_state_and_trains_on(version):
+def test_checkpoint_restores_recorded_state_and_trains_on(
+        version, fresh_compiled_model):
     keras.mixed_precision.set_global_policy("mixed_float16")
-    model, optimizer = make_fixtures.compiled_model()
-    optimizer.build(model.trainable_variables)
+    model, optimizer = fresh_compiled_model("restored")
     tf.train.Checkpoint(model=model, optimizer=optimizer).read(
         str(FIXTURES / f"checkpoint_{version}" / "model")).assert_consumed()
     expected = _expected(version)
     _assert_state_as_recorded(model, optimizer, expected)
-    _assert_next_step_as_on_this_machine(model, optimizer, expected)
+    _assert_next_step_as_on_this_machine(model, optimizer, expected,
+                                         fresh_compiled_model)
 
 
 @pytest.mark.parametrize("version", VERSIONS)

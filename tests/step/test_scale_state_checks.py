@@ -6,6 +6,10 @@ a negative multiplier. tf_lossscale refuses such a state at the first update:
 an InvalidArgumentError names the value, and no variable (the loss scale's,
 the weights, the optimizer's) changes. Under XLA the step is refused (nothing
 changes) and the host raises the same error after the call.
+
+A refused update or step changes nothing, so the cases share their set-ups:
+one loss scale and one traced update per mode and rule, one trained model
+per fit mode, each set back to its state before every case.
 """
 
 import os
@@ -20,6 +24,9 @@ from tests.helpers import training
 from tests.helpers import models
 from tests.helpers.training import values_of
 import tf_lossscale
+
+# One xdist worker runs the file, so each shared set-up is made once.
+pytestmark = pytest.mark.xdist_group("scale_state_checks")
 
 _NAN = float("nan")
 _INF = float("inf")
@@ -46,14 +53,39 @@ def _reported_scale(message):
     return float(match.group(1))
 
 
-def _update(mode, loss_scale, grads):
+def _update_in(mode, loss_scale):
+    """`update(grad) -> should_apply`: `loss_scale.update([grad])` eagerly,
+    traced, or compiled by XLA (its checks run on the host after the call)."""
     if mode == "eager":
-        return loss_scale.update(grads)
-    step = tf.function(lambda: loss_scale.update(grads)[1],
+        return lambda grad: loss_scale.update([grad])[1]
+    step = tf.function(lambda grad: loss_scale.update([grad])[1],
                        jit_compile=mode == "xla")
     if mode == "xla":
         step = tf_lossscale.with_xla_checks(step, loss_scale)
-    return step()
+    return step
+
+
+@pytest.fixture(scope="module")
+def fresh_loss_scale():
+    """`(mode, **rule) -> (loss_scale, update)`: `DynamicLossScale(**rule)`
+    with the values it was made with, and its `_update_in(mode)`. One loss
+    scale per mode and rule, set back at each call, so that its update is
+    traced (and compiled) once, not at every case."""
+    made = {}
+
+    def fresh(mode, **rule):
+        key = mode, tuple(sorted(rule.items()))
+        if key not in made:
+            loss_scale = tf_lossscale.DynamicLossScale(**rule)
+            made[key] = (loss_scale, _update_in(mode, loss_scale),
+                         values_of(loss_scale.variables))
+        loss_scale, update, initial = made[key]
+        for variable, value in zip(loss_scale.variables, initial,
+                                   strict=True):
+            variable.assign(value)
+        return loss_scale, update
+
+    return fresh
 
 
 _MODES = ["eager", "tf_function", "xla"]
@@ -62,26 +94,28 @@ _MODES = ["eager", "tf_function", "xla"]
 @pytest.mark.parametrize("rule", _RULES)
 @pytest.mark.parametrize("bad", _BAD_SCALES)
 @pytest.mark.parametrize("mode", _MODES)
-def test_assigned_bad_scale_fails_the_next_update_naming_it(mode, bad, rule):
-    loss_scale = tf_lossscale.DynamicLossScale(**_RULES[rule])
+def test_assigned_bad_scale_fails_the_next_update_naming_it(
+        mode, bad, rule, fresh_loss_scale):
+    loss_scale, update = fresh_loss_scale(mode, **_RULES[rule])
     loss_scale.update([tf.constant(1.0)])
     loss_scale.variables[0].assign(_BAD_SCALES[bad])
     before = values_of(loss_scale.variables)
     for finite in (True, False):
         with pytest.raises(tf.errors.InvalidArgumentError) as raised:
-            _update(mode, loss_scale, [tf.constant(1.0 if finite else _NAN)])
+            update(tf.constant(1.0 if finite else _NAN))
         reported = _reported_scale(str(raised.value))
         np.testing.assert_array_equal(reported, _BAD_SCALES[bad])
         _assert_unchanged(loss_scale.variables, before)
 
 
 @pytest.mark.parametrize("mode", _MODES)
-def test_negative_good_steps_fail_the_next_update_naming_them(mode):
-    loss_scale = tf_lossscale.DynamicLossScale(initial_loss_scale=8)
+def test_negative_good_steps_fail_the_next_update_naming_them(
+        mode, fresh_loss_scale):
+    loss_scale, update = fresh_loss_scale(mode, initial_loss_scale=8)
     loss_scale.variables[1].assign(-3)
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=r"good_steps\W+-3"):
-        _update(mode, loss_scale, [tf.constant(1.0)])
+        update(tf.constant(1.0))
     assert values_of(loss_scale.variables) == [8.0, -3]
 
 
@@ -153,19 +187,19 @@ def test_valid_extremes_pass_the_check():
 
 @pytest.mark.parametrize("mode", _MODES)
 def test_checkpoint_with_nan_scale_fails_at_the_first_step_after_restore(
-        mode, tmp_path):
+        mode, tmp_path, fresh_loss_scale):
     saved = tf_lossscale.DynamicLossScale(initial_loss_scale=8,
                                           max_consecutive_skips=3)
     saved.variables[0].assign(_NAN)
     path = tf.train.Checkpoint(loss_scale=saved).write(
         os.path.join(tmp_path, "ckpt"))
 
-    restored = tf_lossscale.DynamicLossScale(initial_loss_scale=8,
-                                             max_consecutive_skips=3)
+    restored, update = fresh_loss_scale(mode, initial_loss_scale=8,
+                                        max_consecutive_skips=3)
     tf.train.Checkpoint(loss_scale=restored).read(path).assert_consumed()
     before = values_of(restored.variables)
     with pytest.raises(tf.errors.InvalidArgumentError, match="nan"):
-        _update(mode, restored, [tf.constant(1.0)])
+        update(tf.constant(1.0))
     _assert_unchanged(restored.variables, before)
 
 
@@ -192,8 +226,11 @@ def _compiled_model(compile_args=None):
 
 
 def _fit(model, batches=1):
+    # The same batch `batches` times, as a dataset: fit's own slicing of
+    # numpy arrays traces three functions at every call.
     x, y = (np.tile(a, (batches, 1)) for a in training.normal_data(8))
-    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=1,
+              shuffle=False, verbose=0,
               callbacks=[tf_lossscale.XlaChecks()])
 
 
@@ -202,13 +239,36 @@ def _all_state(model, optimizer):
             + list(optimizer.loss_scale.variables))
 
 
+@pytest.fixture(scope="module")
+def trained_model():
+    """`(make, mode) -> (model, optimizer)`: `make(_FIT_MODES[mode])`, built
+    under the global policy and trained one batch with `_fit`, set back to
+    that state at each call. One per maker, mode and policy: its step is
+    traced (and compiled) once, not at every case."""
+    made = {}
+
+    def trained(make, mode):
+        key = make, mode, keras.mixed_precision.global_policy().name
+        if key not in made:
+            model, optimizer = make(_FIT_MODES[mode])
+            _fit(model)
+            state = model.weights + optimizer.variables
+            made[key] = model, optimizer, state, values_of(state)
+        model, optimizer, state, values = made[key]
+        for variable, value in zip(state, values, strict=True):
+            variable.assign(value)
+        return model, optimizer
+
+    return trained
+
+
 @pytest.mark.usefixtures("keras_isolation")
 @pytest.mark.parametrize("bad", ["nan", "negative", "zero"])
 @pytest.mark.parametrize("mode", _FIT_MODES)
-def test_fit_with_an_assigned_bad_scale_fails_and_changes_nothing(mode, bad):
+def test_fit_with_an_assigned_bad_scale_fails_and_changes_nothing(
+        mode, bad, trained_model):
     keras.mixed_precision.set_global_policy("mixed_float16")
-    model, optimizer = _compiled_model(_FIT_MODES[mode])
-    _fit(model)
+    model, optimizer = trained_model(_compiled_model, mode)
     optimizer.loss_scale.variables[0].assign(_BAD_SCALES[bad])
     state = _all_state(model, optimizer) + [optimizer.skipped_steps]
     before = values_of(state)
@@ -222,10 +282,9 @@ def test_fit_with_an_assigned_bad_scale_fails_and_changes_nothing(mode, bad):
 @pytest.mark.usefixtures("keras_isolation")
 @pytest.mark.parametrize("xla", [False, True], ids=["tf_function", "xla"])
 def test_keras_file_holding_a_nan_scale_fails_at_the_first_step(
-        tmp_path, xla):
+        tmp_path, xla, trained_model):
     keras.mixed_precision.set_global_policy("mixed_float16")
-    model, optimizer = _compiled_model()
-    _fit(model)
+    model, optimizer = trained_model(_compiled_model, "tf_function")
     optimizer.loss_scale.variables[0].assign(_NAN)
     path = os.path.join(tmp_path, "model.keras")
     model.save(path)
@@ -273,15 +332,15 @@ def _names_every_field(message, bad_field, bad_value):
 @pytest.mark.parametrize("bad", _BAD_COUNTERS)
 @pytest.mark.parametrize("mode", _MODES)
 def test_assigned_bad_counter_fails_the_next_update_naming_every_field(
-        mode, bad):
+        mode, bad, fresh_loss_scale):
     field, value = _BAD_COUNTERS[bad]
-    loss_scale = tf_lossscale.DynamicLossScale(**_COUNTING_RULE)
+    loss_scale, update = fresh_loss_scale(mode, **_COUNTING_RULE)
     loss_scale.update([tf.constant(1.0)])
     _by_name(loss_scale)[field].assign(value)
     before = values_of(loss_scale.variables)
     for finite in (True, False):
         with pytest.raises(tf.errors.InvalidArgumentError) as raised:
-            _update(mode, loss_scale, [tf.constant(1.0 if finite else _NAN)])
+            update(tf.constant(1.0 if finite else _NAN))
         _names_every_field(str(raised.value), field, value)
         _assert_unchanged(loss_scale.variables, before)
 
@@ -305,18 +364,16 @@ def test_bad_counter_fails_in_tf1_session_without_changing_variables(bad):
 
 
 @pytest.mark.parametrize("mode", _MODES)
-def test_counters_the_rule_can_reach_pass_the_check(mode):
+def test_counters_the_rule_can_reach_pass_the_check(mode, fresh_loss_scale):
     # H at 0 and at hysteresis, C past max_consecutive_skips (training may be
     # resumed after that error), G past increment_period (TensorFlow's rule
     # grows at the next finite step).
     for field, value in [("hysteresis_remaining", 0),
                          ("hysteresis_remaining", 3),
                          ("consecutive_skips", 9), ("good_steps", 5000)]:
-        loss_scale = tf_lossscale.DynamicLossScale(**_COUNTING_RULE)
+        loss_scale, update = fresh_loss_scale(mode, **_COUNTING_RULE)
         _by_name(loss_scale)[field].assign(value)
-        assert bool(_update(mode, loss_scale, [tf.constant(1.0)])[-1]
-                    if mode == "eager" else
-                    _update(mode, loss_scale, [tf.constant(1.0)]))
+        assert bool(update(tf.constant(1.0))), (field, value)
 
 
 def test_good_steps_past_the_period_grow_at_the_next_step_as_in_tensorflow(
@@ -345,19 +402,19 @@ def test_good_steps_past_the_period_grow_at_the_next_step_as_in_tensorflow(
 @pytest.mark.parametrize("bad", ["budget_negative", "skips_negative"])
 @pytest.mark.parametrize("mode", _MODES)
 def test_checkpoint_with_a_bad_counter_fails_at_the_first_step(
-        mode, bad, tmp_path):
+        mode, bad, tmp_path, fresh_loss_scale):
     field, value = _BAD_COUNTERS[bad]
     saved = tf_lossscale.DynamicLossScale(**_COUNTING_RULE)
     _by_name(saved)[field].assign(value)
     path = tf.train.Checkpoint(loss_scale=saved).write(
         os.path.join(tmp_path, "ckpt"))
 
-    restored = tf_lossscale.DynamicLossScale(**_COUNTING_RULE)
+    restored, update = fresh_loss_scale(mode, **_COUNTING_RULE)
     tf.train.Checkpoint(loss_scale=restored).read(path).assert_consumed()
     assert int(_by_name(restored)[field].numpy()) == value
     before = values_of(restored.variables)
     with pytest.raises(tf.errors.InvalidArgumentError) as raised:
-        _update(mode, restored, [tf.constant(_NAN)])
+        update(tf.constant(_NAN))
     _names_every_field(str(raised.value), field, value)
     _assert_unchanged(restored.variables, before)
 
@@ -375,10 +432,9 @@ def _counting_model(compile_args=None):
 @pytest.mark.parametrize("bad", ["budget_negative", "skips_negative"])
 @pytest.mark.parametrize("xla", [False, True], ids=["tf_function", "xla"])
 def test_keras_file_with_a_bad_counter_fails_at_the_first_step(
-        tmp_path, xla, bad):
+        tmp_path, xla, bad, trained_model):
     field, value = _BAD_COUNTERS[bad]
-    model, optimizer = _counting_model()
-    _fit(model)
+    model, optimizer = trained_model(_counting_model, "tf_function")
     _by_name(optimizer.loss_scale)[field].assign(value)
     path = os.path.join(tmp_path, "model.keras")
     model.save(path)
@@ -430,10 +486,9 @@ _UNHOLDABLE = {
 @pytest.mark.usefixtures("keras_isolation")
 @pytest.mark.parametrize("case", _UNHOLDABLE)
 def test_keras_file_value_a_variable_cannot_hold_is_refused_at_load(
-        tmp_path, case):
+        tmp_path, case, trained_model):
     index, field, value, shown = _UNHOLDABLE[case]
-    model, optimizer = _counting_model()
-    _fit(model)
+    model, optimizer = trained_model(_counting_model, "tf_function")
     path = os.path.join(tmp_path, "model.keras")
     model.save(path)
     crafted = _rewritten(path, f"optimizer/vars/loss_scale.{index}", value,
