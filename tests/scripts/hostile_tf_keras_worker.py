@@ -1,33 +1,22 @@
 """The tf-keras half of the argument cases of `test_hostile_inputs.py`.
 
-Not a test: the test runs this script once with `TF_USE_LEGACY_KERAS=1` (so
+Not a test: the test calls `results()` once in the session's tf-keras
+process (conftest's `tf_keras_interpreter`: `TF_USE_LEGACY_KERAS=1`, so
 `tf.keras` is tf-keras and `tf_lossscale.LossScaleOptimizer` wraps tf-keras
-optimizers, both kinds) and reads the one JSON line it prints last:
-`{kind: {case_id: result}}` for the kinds "optimizer" and "legacy"
-(`hostile_values.OPTIMIZER` and `ALREADY_WRAPPED`) and "monitor"
-(`hostile_values.MONITOR`). A result is `{"error": the names of the
-exception's classes (its MRO) or None, "message": its first 2000
-characters, "length": its length, "summary": the value's summary,
-"created": names of variables created, "inner_reusable": whether the inner
-optimizer can still be wrapped}`; the test judges them.
+optimizers, both kinds), which answers `{kind: {case_id: result}}` for the
+kinds "optimizer" and "legacy" (`hostile_values.OPTIMIZER` and
+`ALREADY_WRAPPED`) and "monitor" (`hostile_values.MONITOR`). A result is
+`{"error": the names of the exception's classes (its MRO) or None,
+"message": its first 2000 characters, "length": its length, "summary": the
+value's summary, "created": names of variables created, "inner_reusable":
+whether the inner optimizer can still be wrapped}`; the test judges them.
 """
 
-import json
-import os
-import sys
+import tensorflow as tf
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
-
-import tf_lossscale  # pylint: disable=g-import-not-at-top
-from tf_lossscale._internal import checks  # pylint: disable=g-import-not-at-top
-
-# Run as a script: the repository's root first on the path, for
-# `tests.helpers`.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))))
-from tests.helpers import hostile_values  # pylint: disable=g-import-not-at-top
+from tests.helpers import hostile_values
+import tf_lossscale
+from tf_lossscale._internal import checks
 
 keras = tf.keras
 KINDS = {
@@ -71,16 +60,12 @@ def monitor_case(case):
     return _result(error, created, value)
 
 
-def main():
+def results():
     assert keras.__name__.startswith("tf_keras"), keras.__name__
-    results = {kind: {hostile_values.case_id(case): optimizer_case(kind, case)
+    answers = {kind: {hostile_values.case_id(case): optimizer_case(kind, case)
                       for case in hostile_values.OPTIMIZER + [
                           hostile_values.ALREADY_WRAPPED]}
                for kind in KINDS}
-    results["monitor"] = {hostile_values.case_id(case): monitor_case(case)
+    answers["monitor"] = {hostile_values.case_id(case): monitor_case(case)
                           for case in hostile_values.MONITOR}
-    print(json.dumps(results))
-
-
-if __name__ == "__main__":
-    main()
+    return answers

@@ -6,7 +6,7 @@ naming the field, in a message of bounded length, changing nothing.
 2. Constructor arguments, each at its own type and range edges
    (`hostile_values.py`): `FixedLossScale`, `DynamicLossScale`,
    `LossScaleOptimizer` (Keras 3 here; tf-keras, both optimizer kinds, in
-   one `TF_USE_LEGACY_KERAS=1` subprocess, `hostile_tf_keras_worker.py`),
+   the session's tf-keras process, `hostile_tf_keras_worker.py`),
    the TF1 wrapper and `LossScaleMonitor`: the exception, the argument and
    the value in the message, and no variable created.
 3. Configs and `.keras` files: `deserialize`, `get` and the wrappers'
@@ -36,7 +36,6 @@ import tensorflow as tf
 import tf_keras
 
 from tests.helpers import hostile_values
-from tests.helpers import subprocesses
 from tests.helpers.hostile_values import MESSAGE_BOUND
 import tf_lossscale
 from tf_lossscale._internal import checks
@@ -221,16 +220,15 @@ def test_tf1_optimizer_refuses(case):
 
 
 @pytest.fixture(scope="module")
-def tf_keras_results():
-    return subprocesses.run_script("hostile_tf_keras_worker.py",
-                                   TF_USE_LEGACY_KERAS="1")
+def tf_keras_results(tf_keras_interpreter):
+    return tf_keras_interpreter.call(
+        "tests.scripts.hostile_tf_keras_worker:results")
 
 
 _TF_KERAS_CASES = {"optimizer": _OPTIMIZER_CASES, "legacy": _OPTIMIZER_CASES,
                    "monitor": hostile_values.MONITOR}
 
 
-@pytest.mark.xdist_group("hostile_tf_keras_worker")  # One worker process.
 @pytest.mark.parametrize("kind", sorted(_TF_KERAS_CASES))
 def test_tf_keras_optimizer_and_monitor_refuse(tf_keras_results, kind):
     cases = {hostile_values.case_id(case): case

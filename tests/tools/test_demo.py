@@ -1,15 +1,15 @@
 """Tests of the demo, `python -m tf_lossscale.demo`, the README's first command.
 
-Two tests run the demo as a user does, in a subprocess (each run costs a
-TensorFlow import); the rest call its functions and parse its flags in this
-process, where conftest.py has already split the CPU into logical devices.
+The command-line tests run the demo as a user does, each command line in a
+process of its own, all forked from one that imported TensorFlow once
+(tests/scripts/demo_command_lines.py); the rest call its functions and parse
+its flags in this process, where conftest.py has already split the CPU into
+logical devices.
 """
 
 import dataclasses
 import importlib.resources
 import json
-import os
-import pathlib
 import re
 import subprocess
 import sys
@@ -21,7 +21,7 @@ import pytest
 import tensorflow as tf
 
 from tests import helpers
-import tf_lossscale
+from tests.helpers import subprocesses
 from tf_lossscale import demo
 from tf_lossscale.demo import __main__ as command_line
 from tf_lossscale.demo import training
@@ -34,27 +34,34 @@ _SUMMARY = re.compile(
     r"weights finite: (?P<finite>True|False)$")
 _INITIAL_SCALE = demo.Config().loss_scale["config"]["initial_loss_scale"]
 _KERAS_SERIES = tuple(int(part) for part in keras.__version__.split(".")[:2])
-# Generous: other test processes share the two cores.
-_SUBPROCESS_TIMEOUT_SECONDS = 600
-# Runs the demo as `python -m tf_lossscale.demo` does, but as if neither
-# optional extra were installed: the README's first command needs neither.
-_WITHOUT_EXTRAS = (
-    "import runpy, sys; sys.modules['matplotlib'] = None; "
-    "sys.modules['tensorboard'] = None; "
-    "runpy.run_module('tf_lossscale.demo', run_name='__main__')")
+# The README's first command, and command lines the demo refuses: (flag,
+# what stderr must say); "{bad_config}" stands for a config with a typo.
+_README_COMMAND = ("--num_devices=2", "--log_skips")
+_BAD_COMMANDS = [
+    ("--plot=scale.jpg", "flag --plot=scale.jpg: must be a path ending in "
+     ".png"),
+    ("--steps=0", "flag --steps=0: must be an int >= 1"),
+    ("--config={bad_config}", "error: unknown config key 'learning_rat'"),
+]
 
 
-def _run_demo(*argv):
-    """Runs the demo module with the flags `argv`, importing this
-    tf_lossscale."""
-    package_root = pathlib.Path(tf_lossscale.__file__).resolve().parent.parent
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(package_root), env.get("PYTHONPATH")]))
-    return subprocess.run(
-        [sys.executable, "-c", _WITHOUT_EXTRAS, *argv],
-        capture_output=True, text=True, env=env,
-        timeout=_SUBPROCESS_TIMEOUT_SECONDS, check=False)
+@pytest.fixture(scope="module")
+def command_lines(tmp_path_factory):
+    """{command line: its `subprocess.CompletedProcess`}: the demo run as a
+    user runs it, without the extras, for the README's command and each of
+    `_BAD_COMMANDS` (one xdist worker runs the tests that read it)."""
+    config = dataclasses.asdict(demo.Config())
+    config["learning_rat"] = config.pop("learning_rate")
+    bad_config = tmp_path_factory.mktemp("demo") / "bad.json"
+    bad_config.write_text(json.dumps(config))
+    argvs = [list(_README_COMMAND)] + [
+        [flag.format(bad_config=bad_config)] for flag, _ in _BAD_COMMANDS]
+    results = subprocesses.run_json([
+        str(helpers.SCRIPTS / "demo_command_lines.py"), json.dumps(argvs)])
+    return {command: subprocess.CompletedProcess(argv, **result)
+            for command, argv, result in zip(
+                [_README_COMMAND] + [flag for flag, _ in _BAD_COMMANDS],
+                argvs, results)}
 
 
 def _summary(stdout):
@@ -71,8 +78,10 @@ def _is_calibration_then_more(skipped_at):
     return 0 < len(calibration) < len(skipped_at)
 
 
-def test_readme_command_overflows_organically_without_the_extras():
-    result = _run_demo("--num_devices=2", "--log_skips")
+@pytest.mark.xdist_group("demo_command_lines")
+def test_readme_command_overflows_organically_without_the_extras(
+        command_lines):
+    result = command_lines[_README_COMMAND]
 
     assert result.returncode == 0, result.stderr
     summary = _summary(result.stdout)
@@ -105,19 +114,11 @@ def test_readme_command_overflows_organically_without_the_extras():
     assert first_skip and "kernel" in first_skip[1], result.stdout
 
 
-@pytest.mark.parametrize("flag, expected", [
-    ("--plot=scale.jpg", "flag --plot=scale.jpg: must be a path ending in "
-     ".png"),
-    ("--steps=0", "flag --steps=0: must be an int >= 1"),
-    ("--config={bad_config}", "error: unknown config key 'learning_rat'"),
-])
-def test_bad_flag_or_config_exits_nonzero_naming_it(tmp_path, flag, expected):
-    config = dataclasses.asdict(demo.Config())
-    config["learning_rat"] = config.pop("learning_rate")
-    bad_config = tmp_path / "bad.json"
-    bad_config.write_text(json.dumps(config))
-
-    result = _run_demo(flag.format(bad_config=bad_config))
+@pytest.mark.xdist_group("demo_command_lines")
+@pytest.mark.parametrize("flag, expected", _BAD_COMMANDS)
+def test_bad_flag_or_config_exits_nonzero_naming_it(command_lines, flag,
+                                                    expected):
+    result = command_lines[flag]
 
     assert result.returncode != 0
     assert expected in result.stderr, result.stderr
