@@ -1,8 +1,8 @@
 """The benchmark's hot-path comparison runs, and its forms give the plain
-form's results bit for bit (quick mode; no timing is asserted: speed claims
-live in the benchmark's output and docs/guides/performance.md)."""
+form's results bit for bit (quick mode, conftest's `quick_benchmark`; no
+timing is asserted: speed claims live in the benchmark's output and
+docs/guides/performance.md)."""
 
-import io
 import sys
 
 import numpy as np
@@ -13,10 +13,8 @@ from tests import helpers
 
 sys.path.insert(0, str(helpers.ROOT / "benchmarks"))
 
-from lsbench import context as context_module  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench import gradient_sets  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench import hot_path_forms as forms  # pylint: disable=g-import-not-at-top,wrong-import-position
-from lsbench import report as report_module  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import hot_path  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
@@ -60,21 +58,19 @@ def test_the_plain_step_runs_the_plain_parts():
     assert counts[hot_path.PLAIN] == counts[hot_path.AGAIN]
 
 
-def test_quick_section_reports_every_form_in_both_modes():
-    out = io.StringIO()
-    report = report_module.Report(out)
-    hot_path.run(context_module.Context(
-        report, context_module.Settings(quick=True)))
-    text = out.getvalue()
-    assert f"\n{hot_path.NAME}: {hot_path.TITLE}" in text
+@pytest.mark.xdist_group("quick_benchmark")
+def test_quick_section_reports_every_form_in_both_modes(quick_benchmark):
+    text = quick_benchmark.section_text(hot_path)
+    assert text.startswith(f"\n{hot_path.NAME}: {hot_path.TITLE}")
     forms_per_set = sum(len(c) for c in hot_path._groups().values()) + 3  # pylint: disable=protected-access
     for set_name in gradient_sets.gradient_sets(quick=True):
-        table = next(t for t in report.tables
+        table = next(t for t in quick_benchmark.report.tables
                      if t.title == f"{hot_path.TITLE}: {set_name}")
-        assert len(table.rows) == forms_per_set
-        assert table.rows[1][-1] == "(the noise)"
+        assert len(table.rows) == forms_per_set, set_name
+        assert table.rows[1][-1] == "(the noise)", set_name
         for row in table.rows:
             ops, graph, xla = row[2], row[3], row[4]
-            assert int(ops.split()[0]) > 0
-            assert float(graph) > 0 and float(xla) > 0
-    assert report.verdicts == []  # It decides nothing: no target.
+            case = f"{set_name}: {row[0]}: {row[1]}"
+            assert int(ops.split()[0]) > 0, case
+            assert float(graph) > 0 and float(xla) > 0, case
+    assert "target " not in text  # It decides nothing: no target.
