@@ -32,7 +32,7 @@ Sections (`lsbench/sections/`, run in this order; `--only` picks some):
   checks    the argument checks and the eager lock (eager work only: no op
             in a traced step)
 
-`--quick` uses small gradient sets, a 6x16 MLP and one round: it checks that
+`--quick` uses small gradient sets, a 1x16 MLP and one round: it checks that
 everything runs (tests/tools/test_benchmark_quick.py); its figures mean
 nothing.
 
