@@ -32,7 +32,7 @@ Sections (`lsbench/sections/`, run in this order; `--only` picks some):
   checks    the argument checks and the eager lock (eager work only: no op
             in a traced step)
 
-`--quick` uses small gradient sets, a 6x16 MLP and one round: it checks that
+`--quick` uses small gradient sets, a 1x16 MLP and one round: it checks that
 everything runs (tests/tools/test_benchmark_quick.py); its figures mean
 nothing.
 
@@ -105,7 +105,8 @@ def _load():
 def run(quick=False, rounds=None, fit_steps=None, fit_rounds=None,
         only=None, out=None):
     """Runs the sections (all, or those named in `only`); returns the
-    verdicts, [(target, holds)]."""
+    `lsbench.report.Report`: its verdicts, [(target, holds)], its tables,
+    and what each section's `run` returned, by section name."""
     report = report_module.Report(out)
     settings = context_module.Settings(quick, rounds, fit_steps, fit_rounds)
     sections = [s for s in SECTIONS if only is None or s.NAME in only]
@@ -124,10 +125,10 @@ def run(quick=False, rounds=None, fit_steps=None, fit_rounds=None,
                 f"{' (quick: figures mean nothing)' if quick else ''}")
     context = context_module.Context(report, settings)
     for section in sections:
-        section.run(context)
+        report.results[section.NAME] = section.run(context)
     report.line(f"\nLoad average (1, 5, 15 min) at the end: {_load()}")
     report.summary()
-    return report.verdicts
+    return report
 
 
 def main(argv):

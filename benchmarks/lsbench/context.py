@@ -8,7 +8,7 @@ from lsbench import report as report_module
 class Settings(NamedTuple):
     """A run's settings; None means the default for `quick`.
 
-    `quick` uses small gradient sets, a 6x16 MLP and one round: it checks
+    `quick` uses small gradient sets, a 1x16 MLP and one round: it checks
     that the benchmark runs; its figures mean nothing.
     """
     quick: bool = False

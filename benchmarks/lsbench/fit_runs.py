@@ -1,6 +1,6 @@
 """`model.fit` of one MLP under several optimizers, timed side by side.
 
-The model is a 6x512 MLP (batch 128; 6x16, batch 16, in quick runs) that
+The model is a 6x512 MLP (batch 128; 1x16, batch 16, in quick runs) that
 computes in mixed_bfloat16, not mixed_float16: TensorFlow's CPU build has no
 fast float16 matrix product (a float16 step of this MLP took 3.7 s on this
 project's machines, 7 ms in bfloat16), which would hide every overhead,
@@ -40,6 +40,7 @@ class Candidate(NamedTuple):
 
 
 class FitShape(NamedTuple):
+    depth: int  # Hidden layers.
     width: int
     batch_size: int
     steps: int
@@ -48,17 +49,20 @@ class FitShape(NamedTuple):
 
 def fit_shape(settings):
     quick = settings.quick
-    return FitShape(width=16 if quick else 512,
+    # Quick: one hidden layer takes the paths six take (every variable
+    # alike), in less tracing.
+    return FitShape(depth=1 if quick else 6, width=16 if quick else 512,
                     batch_size=16 if quick else 128,
                     steps=settings.fit_steps or (2 if quick else 60),
                     rounds=settings.fit_rounds or (1 if quick else 9))
 
 
-def mlp(width):
+def mlp(shape):
     keras.utils.set_random_seed(gradient_sets.SEED)
     return keras.Sequential(
-        [keras.Input((width,))]
-        + [keras.layers.Dense(width, activation="relu") for _ in range(6)]
+        [keras.Input((shape.width,))]
+        + [keras.layers.Dense(shape.width, activation="relu")
+           for _ in range(shape.depth)]
         + [keras.layers.Dense(10, dtype="float32")])
 
 
@@ -92,7 +96,7 @@ def build(candidates, shape, jit_compile=False, strategy=None):
 
 
 def _compile(candidate, shape, jit_compile):
-    model = mlp(shape.width)
+    model = mlp(shape)
     inner = candidate.inner(0.01)
     if candidate.optimizer is None:
         model.compile(optimizer=inner, auto_scale_loss=False,

@@ -45,6 +45,7 @@ class Report:
         self.out = out or sys.stdout
         self.verdicts = []  # [(description, holds)]
         self.tables = []
+        self.results = {}  # Section name -> what its `run` returned.
 
     def line(self, text=""):
         print(text, file=self.out, flush=True)

@@ -3,7 +3,8 @@
 What the Performance guide is regenerated from must be in one run's output:
 the machine and its load before and after, every section, a verdict per
 target, a cost for every feature the ablations take away, and every table
-again in Markdown.
+again in Markdown. The run is conftest's `quick_benchmark`, shared with the
+tests of the hot path and the gradient statistics sections.
 """
 
 import io
@@ -23,21 +24,24 @@ from lsbench.sections import fit_step  # pylint: disable=g-import-not-at-top,wro
 pytestmark = pytest.mark.usefixtures("keras_isolation")
 
 
-def test_quick_benchmark_reports_every_section_and_a_verdict_per_target():
-    out = io.StringIO()
-    verdicts = loss_scale_benchmark.run(quick=True, out=out)
-    text = out.getvalue()
+@pytest.mark.xdist_group("quick_benchmark")
+def test_quick_benchmark_reports_every_section_and_a_verdict_per_target(
+        quick_benchmark):
+    verdicts, text = quick_benchmark.report.verdicts, quick_benchmark.text
     assert text.startswith("Machine: ")
     assert "Load average (1, 5, 15 min) at the start" in text
     assert "Load average (1, 5, 15 min) at the end" in text
     for section in loss_scale_benchmark.SECTIONS:
         assert f"\n{section.NAME}: {section.TITLE}" in text
+    # What each section's run returned, kept by name.
+    assert list(quick_benchmark.report.results) == [
+        section.NAME for section in loss_scale_benchmark.SECTIONS]
     # One target per gradient set in `check` and one more per large set,
     # one per set in `apply`, two in `fit` (the wrapper's overhead and the
     # monitor's), one in `xla`.
     sets = gradient_sets.gradient_sets(quick=True)
     large = sum(gradient_sets.is_large(s) for s in sets.values())
-    assert large >= 1
+    assert 1 <= large < len(sets)  # Both of `check`'s kinds of set.
     expected = len(sets) + large + len(sets) + 2 + 1
     assert len(verdicts) == expected
     for description, _ in verdicts:
@@ -54,9 +58,11 @@ def test_quick_benchmark_reports_every_section_and_a_verdict_per_target():
 
 def test_only_runs_the_sections_named_and_refuses_unknown_ones():
     out = io.StringIO()
-    verdicts = loss_scale_benchmark.run(quick=True, only=["ops"], out=out)
-    assert verdicts == []
-    assert "\nops: " in out.getvalue()
+    # The cheapest section: eager work, no trace.
+    report = loss_scale_benchmark.run(quick=True, only=["checks"], out=out)
+    assert report.verdicts == []
+    assert list(report.results) == ["checks"]
+    assert "\nchecks: " in out.getvalue()
     assert "\napply: " not in out.getvalue()
     with pytest.raises(ValueError, match="unknown sections.*'nope'"):
         loss_scale_benchmark.run(quick=True, only=["nope"], out=io.StringIO())

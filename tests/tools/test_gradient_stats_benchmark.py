@@ -1,7 +1,7 @@
 """The gradient statistics section of the benchmark runs end to end (quick
-mode; no timing is asserted: speed claims live in the benchmark's output)."""
+mode, conftest's `quick_benchmark`; no timing is asserted: speed claims live
+in the benchmark's output)."""
 
-import io
 import sys
 
 import pytest
@@ -10,25 +10,19 @@ from tests import helpers
 
 sys.path.insert(0, str(helpers.ROOT / "benchmarks"))
 
-from lsbench import context as context_module  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench import gradient_sets  # pylint: disable=g-import-not-at-top,wrong-import-position
-from lsbench import report as report_module  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import fit_step  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import gradient_stats  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
 
 
-def test_quick_section_prints_both_parts_and_a_cost_row_per_compile_mode():
-    out = io.StringIO()
-    report = report_module.Report(out)
-    context = context_module.Context(report,
-                                     context_module.Settings(quick=True))
-
-    results = gradient_stats.run(context)
-
-    text = out.getvalue()
-    assert f"\n{gradient_stats.NAME}: {gradient_stats.TITLE}" in text
+@pytest.mark.xdist_group("quick_benchmark")
+def test_quick_section_prints_both_parts_and_a_cost_row_per_compile_mode(
+        quick_benchmark):
+    results = quick_benchmark.report.results[gradient_stats.NAME]
+    text = quick_benchmark.section_text(gradient_stats)
+    assert text.startswith(f"\n{gradient_stats.NAME}: {gradient_stats.TITLE}")
     sets = gradient_sets.gradient_sets(quick=True)
     assert sorted(results["statistics_vs_check"]) == sorted(sets)
     for name in sets:
@@ -40,7 +34,7 @@ def test_quick_section_prints_both_parts_and_a_cost_row_per_compile_mode():
     # The statistics' cost is a finite share of an unscaled step, per mode.
     for key in ("fit", "fit_xla"):
         assert -1.0 < results[key] < float("inf"), key
-    features = next(t for t in report.tables
+    features = next(t for t in quick_benchmark.report.tables
                     if t.title == fit_step.FEATURES_TITLE)
     assert [row[1] for row in features.rows
             if row[0] == gradient_stats.FEATURE] == ["no XLA", "XLA"]

@@ -102,16 +102,15 @@ def candidates():
 
 
 def _mlp_shapes(shape):
-    return [tuple(v.shape) for v in fit_runs.mlp(shape.width)
-            .trainable_variables]
+    return [tuple(v.shape) for v in fit_runs.mlp(shape).trainable_variables]
 
 
 def run(context):
     report, settings = context.report, context.settings
     shape = fit_runs.fit_shape(settings)
-    report.line(f"\n{NAME}: {TITLE}: a 6x{shape.width} MLP, mixed_bfloat16 "
-                f"compute, batch {shape.batch_size}, {shape.steps} steps per "
-                f"run, {shape.rounds} rounds")
+    report.line(f"\n{NAME}: {TITLE}: a {shape.depth}x{shape.width} MLP, "
+                f"mixed_bfloat16 compute, batch {shape.batch_size}, "
+                f"{shape.steps} steps per run, {shape.rounds} rounds")
     alone = step_costs.microseconds(_step_makers(), _mlp_shapes(shape),
                                     settings)
     step_table = report.table(

@@ -101,8 +101,9 @@ def fit_cost(report, settings, jit_compile):
     ratios = fit_runs.interleaved_fits(runs, shape, shape.rounds)
     cost = ratios.cpu[_STATS] - ratios.cpu[_MONITOR]
     mode = "XLA (jit_compile=True)" if jit_compile else "no XLA"
-    report.line(f"  6x{shape.width} MLP, batch {shape.batch_size}, "
-                f"{shape.steps} steps per fit, {shape.rounds} rounds, {mode}:")
+    report.line(f"  {shape.depth}x{shape.width} MLP, batch "
+                f"{shape.batch_size}, {shape.steps} steps per fit, "
+                f"{shape.rounds} rounds, {mode}:")
     fit_runs.show(report, ratios)
     report.line(f"  {mode}: CPU time x{ratios.cpu[_STATS] / ratios.cpu[_MONITOR]:.3f}"
                 f", wall time x{ratios.wall[_STATS] / ratios.wall[_MONITOR]:.3f}"

@@ -33,10 +33,10 @@ def run(context):
 
     report, settings = context.report, context.settings
     shape = fit_runs.fit_shape(settings)
-    report.line(f"\n{NAME}: {TITLE}: the same 6x{shape.width} MLP, batch "
-                f"{shape.batch_size} ({shape.batch_size // 2} per replica), "
-                f"{shape.steps} steps per run, {shape.rounds} rounds (in a "
-                "child process)")
+    report.line(f"\n{NAME}: {TITLE}: the same {shape.depth}x{shape.width} "
+                f"MLP, batch {shape.batch_size} ({shape.batch_size // 2} per "
+                f"replica), {shape.steps} steps per run, {shape.rounds} rounds "
+                "(in a child process)")
     child = subprocess.run(
         [sys.executable, __file__, json.dumps(settings._asdict())],
         capture_output=True, text=True, check=False,
@@ -84,8 +84,7 @@ def _child(settings_json):
     ratios = fit_runs.interleaved_fits(
         fit_runs.build(candidates, shape, strategy=strategy), shape,
         shape.rounds)
-    shapes = [tuple(v.shape) for v in fit_runs.mlp(shape.width)
-              .trainable_variables]
+    shapes = [tuple(v.shape) for v in fit_runs.mlp(shape).trainable_variables]
     total, removed = ablations.ops_removed(ablations.by_feature(_FEATURE),
                                            shapes, strategy=strategy)
     print(json.dumps({"cpu": ratios.cpu, "wall": ratios.wall, "ops": total,

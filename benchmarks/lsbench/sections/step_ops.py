@@ -20,8 +20,8 @@ TITLE = "Ops in the traced apply step (both branches), per tensor"
 
 
 def _mlp_shapes(settings):
-    width = fit_runs.fit_shape(settings).width
-    return [tuple(v.shape) for v in fit_runs.mlp(width).trainable_variables]
+    shape = fit_runs.fit_shape(settings)
+    return [tuple(v.shape) for v in fit_runs.mlp(shape).trainable_variables]
 
 
 def _counts(shapes):

@@ -39,8 +39,8 @@ def candidates():
 def run(context):
     report, settings = context.report, context.settings
     shape = fit_runs.fit_shape(settings)
-    report.line(f"\n{NAME}: {TITLE}: the same 6x{shape.width} MLP, batch "
-                f"{shape.batch_size}, {shape.steps} steps per run, "
+    report.line(f"\n{NAME}: {TITLE}: the same {shape.depth}x{shape.width} "
+                f"MLP, batch {shape.batch_size}, {shape.steps} steps per run, "
                 f"{shape.rounds} rounds")
     ratios = fit_runs.interleaved_fits(
         fit_runs.build(candidates(), shape, jit_compile=True), shape,
@@ -59,8 +59,7 @@ def run(context):
                   fit_runs.percent(ratios.wall[name] - 1.0), target)
     report.show(table)
 
-    shapes = [tuple(v.shape) for v in fit_runs.mlp(shape.width)
-              .trainable_variables]
+    shapes = [tuple(v.shape) for v in fit_runs.mlp(shape).trainable_variables]
     total, removed = ablations.ops_removed(ablations.by_feature(_FEATURE),
                                            shapes)
     cost = ratios.cpu[_OURS] - ratios.cpu[f"tf_lossscale without {_FEATURE}"]
