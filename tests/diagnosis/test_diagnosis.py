@@ -304,21 +304,21 @@ def test_diagnose_changes_nothing_in_the_model(global_policy):
 
 
 @pytest.fixture(scope="module")
-def mirrored_reports():
+def mirrored_reports(underflowing):
     """The underflowing model on 2 replicas and on none, same weights; the
-    replicas' halves of each batch differ."""
+    replicas' halves of each batch differ. On none: the `underflowing`
+    report (all scales from 1: its layer rows are read at scale 1, as the
+    mirrored report's are)."""
     with training.mirrored(2).scope():
         distributed = float16_models.underflowing_model(keras)
-    single = float16_models.underflowing_model(keras)
-    data = float16_models.underflowing_data()
+    single, data, whole = underflowing
     # Replica i gets the i-th half of each batch.
     halves = [(x[i * 8:(i + 1) * 8], y[i * 8:(i + 1) * 8])
               for x, y in data for i in range(2)]
     return {
         "mirrored": tf_lossscale.diagnose(distributed, data,
                                           scales=_SCALES).as_dict(),
-        "whole": tf_lossscale.diagnose(single, data,
-                                       scales=_SCALES).as_dict(),
+        "whole": whole.as_dict(),
         # Each replica's loss is half its part's mean loss, as in fit:
         # its gradients at scale s are the part's own at s / 2.
         "parts": tf_lossscale.diagnose(
