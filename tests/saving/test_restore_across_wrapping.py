@@ -69,8 +69,8 @@ STEPS_BEFORE_SAVE = 2
 
 
 def _optimizer(name, kind):
-    """`name` of OPTIMIZERS, plain, wrapped in ours, or ("keras_wrapped") in
-    Keras' own `LossScaleOptimizer`."""
+    """OPTIMIZERS[name]() as `kind`: "plain", "wrapped" (in ours) or
+    "keras_wrapped" (in Keras' own `LossScaleOptimizer`)."""
     inner = OPTIMIZERS[name]()
     if kind == "keras_wrapped":
         return keras.mixed_precision.LossScaleOptimizer(inner)
@@ -165,6 +165,8 @@ def fresh_model():
 
 
 class SavedRun(typing.NamedTuple):
+    """A run of `saved_run`."""
+
     checkpoint: str  # Written after STEPS_BEFORE_SAVE steps.
     keras_file: pathlib.Path | None  # The same state, `.keras`; `fit` only.
     at_save: tuple  # (weights, optimizer state) when saved.
