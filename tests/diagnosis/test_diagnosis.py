@@ -8,7 +8,7 @@ on the demo its advised range is checked against the scale the dynamic rule
 settles at, found by running the rule. The model is left bit-identical; under
 MirroredStrategy each replica's figures are combined into the figures of
 the whole batch. tf-keras: `tests/scripts/tf_keras_float16_diagnosis.py`,
-run in a `TF_USE_LEGACY_KERAS=1` subprocess.
+run in the session's tf-keras process.
 """
 
 import json
@@ -25,7 +25,6 @@ from tf_lossscale import demo
 
 from tests.helpers import float16_models  # pylint: disable=g-bad-import-order
 from tests.helpers import training  # pylint: disable=g-bad-import-order
-from tests.helpers import subprocesses
 
 # One xdist worker runs the file: its module fixtures run once.
 pytestmark = [pytest.mark.usefixtures("keras_isolation"),
@@ -484,9 +483,10 @@ def test_sample_weights_weight_the_loss():
 # tf-keras.
 
 
-def test_tf_keras_models_are_diagnosed_in_a_tf_keras_process():
-    results = subprocesses.run_script("tf_keras_float16_diagnosis.py",
-                                      TF_USE_LEGACY_KERAS="1")
+def test_tf_keras_models_are_diagnosed_in_a_tf_keras_process(
+        tf_keras_interpreter):
+    results = tf_keras_interpreter.call(
+        "tests.scripts.tf_keras_float16_diagnosis:run_all")
 
     assert set(results) == {
         "diagnosis_leaves_the_model_as_it_was",

@@ -1,35 +1,21 @@
 """The float16 diagnosis and the monitor's gradient figures with tf-keras.
 
-Not a test: `tests/diagnosis/test_diagnosis.py` runs this script with
-`TF_USE_LEGACY_KERAS=1` (so `tf.keras` is tf-keras) and reads the one JSON
-line it prints last: `{check_name: "ok" | "<traceback>"}`. Each check
-compares with results computed in this run. The process splits its CPU into
-2 logical devices first, for MirroredStrategy.
+Not a test: `tests/diagnosis/test_diagnosis.py` runs `run_all()` in the
+session's `tf_keras_interpreter` (`TF_USE_LEGACY_KERAS=1`, so `tf.keras` is
+tf-keras, and the CPU split into logical devices for MirroredStrategy), which
+answers `{check_name: "ok" | "<traceback>"}`. Each check compares with
+results computed in this run.
 """
 
-import json
 import math
-import os
-import sys
 import traceback
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import numpy as np
+import tensorflow as tf
 
-import numpy as np  # pylint: disable=g-import-not-at-top
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
-
-tf.config.set_logical_device_configuration(
-    tf.config.list_physical_devices("CPU")[0],
-    [tf.config.LogicalDeviceConfiguration()] * 2)
-
-import tf_lossscale  # pylint: disable=g-import-not-at-top
-
-# Run as a script: the repository's root first on the path, for
-# `tests.helpers`.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))))
-from tests.helpers import float16_models  # pylint: disable=g-import-not-at-top
-from tests.helpers import training  # pylint: disable=g-import-not-at-top
+import tf_lossscale
+from tests.helpers import float16_models
+from tests.helpers import training
 
 keras = tf.keras
 CHECKS = {}
@@ -222,7 +208,9 @@ def monitor_logs_gradient_stats():
     assert model.optimizer._gradient_stats is None  # pylint: disable=protected-access
 
 
-def main():
+def run_all():
+    """Runs every check; a failing one does not keep the others from
+    running."""
     assert "tf_keras" in keras.__name__, keras.__name__
     results = {}
     for name, fn in CHECKS.items():
@@ -231,8 +219,4 @@ def main():
             results[name] = "ok"
         except Exception:  # pylint: disable=broad-except
             results[name] = traceback.format_exc()
-    print(json.dumps(results))
-
-
-if __name__ == "__main__":
-    main()
+    return results
