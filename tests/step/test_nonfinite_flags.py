@@ -33,16 +33,18 @@ def _definition(grads):
     return flags
 
 
+@tf.function
+def _traced_flags(grads, which):
+    unscaled = unscaling.unscale(grads, tf.constant(4.0))
+    picked = unscaled if which is None else [unscaled[i] for i in which]
+    return gradient_checks.nonfinite_flags(picked)
+
+
 def _flags_of_unscaled(grads, which=None):
-    """Traced: flags of the unscaled (packed) gradients at `which`."""
-
-    @tf.function
-    def flags():
-        unscaled = unscaling.unscale(grads, tf.constant(4.0))
-        picked = unscaled if which is None else [unscaled[i] for i in which]
-        return gradient_checks.nonfinite_flags(picked)
-
-    return flags().numpy().tolist()
+    """Traced: flags of the unscaled (packed) gradients at `which`. One
+    trace per dtypes, shapes and `which`: the values are arguments."""
+    return _traced_flags(grads, None if which is None else tuple(which)
+                         ).numpy().tolist()
 
 
 def _with_bad(shape, dtype, bad, rng):
