@@ -293,7 +293,8 @@ def test_keras_wrapper_checkpoint_gives_its_inner_state_in_any_order(
     _assert_continues_as(model, optimizer, run.after_next)
 
 
-@pytest.mark.parametrize("version", ["v0_1", "v0_2", "v0_3", "v0_4"])
+@pytest.mark.parametrize("version", ["v0_1", "v0_2", "v0_3", "v0_4",
+                                     "v0_5"])
 def test_earlier_wrapper_checkpoints_restore_before_build(version):
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = make_fixtures.model()

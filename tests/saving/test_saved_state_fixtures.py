@@ -39,7 +39,9 @@ FIXTURES = helpers.FIXTURES
 # 3.15.1), before 0.4.0 moved the loss scales into modules of their own.
 # v0_4: written by the 0.4.0 release (commit 4ef8ac3, TF 2.21.0, Keras
 # 3.15.1), before 0.5.0 moved the package into folders and rewrote saving.
-VERSIONS = ("v0_1", "v0_2", "v0_3", "v0_4")
+# v0_5: written by the 0.5.0 release (commit bd361bd, TF 2.21.0, Keras
+# 3.15.1), before 0.6.0 added shared loss scales and per-layer scaling.
+VERSIONS = ("v0_1", "v0_2", "v0_3", "v0_4", "v0_5")
 
 
 def _expected(version):
