@@ -37,11 +37,13 @@ def float32_reasons(figures, top, tolerance):
     scale = figures["scales"][0 if top is None else top]
     if top is not None:
         reasons += [(row["layer"], (
-            f"{text.share(row['underflow_share'][top])} of {row['name']}'s "
-            f"gradient underflows even at {text.pow2(scale)}"))
+            f"float16 loses {text.share(row['underflow_share'][top])} of "
+            f"{row['name']}'s gradient values to underflow even at "
+            f"{text.pow2(scale)}, {text.share(row['underflow_norm_share'][top])}"
+            " of the layer's float32 gradient norm"))
                     for row in figures["variables"]
-                    if row["underflow_share"] is not None
-                    and row["underflow_share"][top] > tolerance]
+                    if row["underflow_cost"] is not None
+                    and row["underflow_cost"][top] > tolerance]
     elif measured_batches(figures) > 0:
         reasons += [(name, f"gradients reach {text.number(largest * scale)} "
                            f"at loss scale {text.pow2(scale)}, above "
@@ -92,9 +94,10 @@ def sentences(figures, reasons):
         listed = ", ".join(names[:5]) + (
             f" and {len(names) - 5} more" if len(names) > 5 else "")
         lines.append(
-            f"At loss scale {lowest} more than "
+            f"At loss scale {lowest} float16 loses more than "
             f"{text.share(figures['underflow_tolerance'])} of the gradient "
-            f"underflows for: {listed}.")
+            "values to underflow, carrying more than that share of their "
+            f"layer's float32 gradient norm, for: {listed}.")
     lines += [f"Keep layer {name!r} in float32 (dtype=\"float32\"): "
               f"{reason}." for name, reason in reasons.items()]
     # For each float16 layer: whether the advice keeps it in float32.
