@@ -527,6 +527,7 @@ def test_tf_keras_models_are_diagnosed_in_a_tf_keras_process(
         "fix_of_a_healthy_model_changes_no_dtype",
         "fix_under_mirrored_keeps_float16_after_the_normalization",
         "monitor_logs_gradient_stats",
+        "nested_block_under_the_global_policy_is_named_and_fixed",
         "overflowing_layer_is_named",
         "underflowing_variables_are_named_with_a_higher_scale",
         "under_mirrored_layer_figures_are_the_whole_batchs",

@@ -186,6 +186,43 @@ def fix_of_a_healthy_model_changes_no_dtype():
 
 
 @check
+def nested_block_under_the_global_policy_is_named_and_fixed():
+    """A Sequential feed-forward block inside a functional model, built
+    under the global mixed_float16 policy and left so; its first layer
+    overflows float16."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(0)
+        x = keras.Input((8,))
+        ffn = keras.Sequential([
+            keras.layers.Dense(
+                16, activation="relu", name="up",
+                kernel_initializer=keras.initializers.RandomNormal(
+                    stddev=1e5, seed=1)),
+            keras.layers.LayerNormalization(name="norm"),
+            keras.layers.Dense(8, name="down")], name="ffn")
+        h = keras.layers.LayerNormalization(name="outer_norm")(ffn(x))
+        out = keras.layers.Dense(4, activation="softmax", dtype="float32",
+                                 name="out")(h)
+        model = keras.Model(x, out)
+        model.compile("adam", "sparse_categorical_crossentropy")
+        data = float16_models.overflowing_data()
+        report = tf_lossscale.diagnose(model, data, scales=_SCALES,
+                                       verbose=0)
+        assert report.first_nonfinite_layer == "ffn/up", report
+        assert "ffn/up" in report.keep_in_float32, report
+
+        fixed = report.fix(model)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    block = fixed.get_layer("ffn")
+    assert block.get_layer("up").compute_dtype == "float32"
+    assert block.get_layer("down").compute_dtype == "float16"
+    for batch, _ in data:
+        assert np.isfinite(fixed(batch)).all()
+
+
+@check
 def monitor_logs_gradient_stats():
     model = float16_models.underflowing_model(
         keras, optimizer=tf_lossscale.LossScaleOptimizer(

@@ -605,3 +605,28 @@ def test_tf_keras_aggregate_legacy_aggregates_across_replicas():
         strategy.run(tf.function(step)))]
     _expect(results == [[3.0, 3.0], [3.0, 3.0]], api, entry,
             f"per-replica aggregates {results}, not the sum [3, 3]")
+
+
+# --- Keras 3 and tf-keras ------------------------------------------------------
+
+
+@pytest.mark.parametrize("module", [keras, tf_keras], ids=["keras", "tf_keras"])
+def test_flatten_layers_walks_into_the_layers_a_layer_makes(module):
+    api = f"{module.__name__} Layer._flatten_layers"
+    entry = "flatten_layers"
+    inputs = module.Input((4, 8))
+    attention = module.layers.MultiHeadAttention(2, 4, name="attention")
+    block = module.Sequential([module.layers.Dense(8, name="inner")],
+                              name="block")
+    block(attention(inputs, inputs))
+
+    found = list(_call(api, entry, private_api.flatten_layers, attention))
+    # The layer first, then the dense layers it made for its projections.
+    _expect(found and found[0] is attention, api, entry,
+            f"the walk does not start at the layer: {found}")
+    _expect(sum(isinstance(layer, module.layers.EinsumDense)
+                for layer in found) == 4, api, entry,
+            f"the walk misses the attention's projections: {found}")
+    nested = list(private_api.flatten_layers(block))
+    _expect(nested[0] is block and block.layers[0] in nested, api, entry,
+            f"the walk misses a model's layers: {nested}")

@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_lossscale.diagnosis import models
+from tf_lossscale.diagnosis import text
 from tf_lossscale.ops import float16
 
 # Figures summed over replicas; the others are their maxima.
@@ -285,7 +286,7 @@ class Passes:
                 f"batch {index + 1}/{len(batches)}: float32 twin, float16 "
                 + ("forward pass not finite" if run16["forward_nonfinite"][0]
                    or run16["input_nonfinite"][0] else
-                   f"backward pass overflows from scale {scales[overflow[0]]:g}"
+                   f"backward pass overflows from {text.pow2(scales[overflow[0]])}"
                    if overflow.size else "no overflow at any scale"))
         # Over the batches: maxima of the float32 figures and of the
         # outputs, sums of the rest.
