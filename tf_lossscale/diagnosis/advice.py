@@ -81,7 +81,9 @@ def sentences(figures, reasons):
             f"Use a loss scale {between}: above it the float16 backward pass "
             "overflows on more than "
             f"{text.share(figures['overflow_tolerance'])} of the batches, "
-            "below it more gradient values underflow. A DynamicLossScale "
+            "below it underflow costs some variable's gradient more than "
+            f"{text.share(figures['underflow_tolerance'])} of its layer's "
+            "gradient norm beyond what it costs at the top. A DynamicLossScale "
             "finds the top by itself; "
             f"FixedLossScale({text.pow2(high, python=True)}) is the fixed "
             "choice.")

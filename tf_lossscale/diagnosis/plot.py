@@ -39,7 +39,7 @@ def write(report, path):
         axes.axvspan(low - 0.5, high + 0.5, color="tab:green", alpha=0.12,
                      linewidth=0, label="advised loss scales")
     axes.set(xlabel="log2 of the loss scale (red: the backward pass "
-             "overflows)", ylabel="layer's gradient norm lost to underflow (%)",
+             "overflows)", ylabel="underflow cost (%)",
              title="float16 variables")
     axes.grid(True, alpha=0.3)
     if len(shares) <= 10:

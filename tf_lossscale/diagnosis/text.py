@@ -62,9 +62,10 @@ def _variable_lines(report):
     header = "".join(f"{'at ' + pow2(report['scales'][i]):>14}"
                      for i in shown)
     lines = ["Variables, what float16 underflow loses of their gradient: the "
-             "share of its values, / the share of the layer's float32 "
-             "gradient norm they carry; and the share of that norm the "
-             "variable carries:",
+             "share of its values/the share of the layer's float32 gradient "
+             "norm they carry; and the share of that norm the variable "
+             "carries (underflow costs training where both shares are "
+             "large):",
              f"  {'variable':<32} {'dtype':<8}{header} {'carries':>8} "
              f"{'largest':>10} {'headroom':>9}"]
     variables = report["variables"]
@@ -72,7 +73,7 @@ def _variable_lines(report):
         values = row["underflow_share"] or [None] * len(report["scales"])
         norms = row["underflow_norm_share"] or [None] * len(report["scales"])
         lines.append(f"  {row['name']:<32} {row['compute_dtype']:<8}"
-                     + "".join(f"{share(values[i]) + ' /' + share(norms[i]):>14}"
+                     + "".join(f"{share(values[i]) + '/' + share(norms[i]):>14}"
                                for i in shown)
                      + f" {share(row['gradient_norm_share']):>8}"
                      f" {number(row['gradient_max']):>10} "
