@@ -2,11 +2,12 @@
 
 Per batch, in every replica, as `fit` computes it (`training=True`, dropout
 and noise off so both runs compute the same function): the float32 twin's
-forward and backward pass at scale 1, then the model's own forward pass once
-and its backward pass seeded with each probed scale, a few at a time. Each
-is reduced to a few figures per layer and per variable (maxima, finiteness
-flags, underflow counts and the norm of what underflow loses against the
-twin's gradients). The replicas' figures are combined (counts and squares
+forward and backward pass at scale 1, then a float16 copy's forward and
+backward pass at each probed scale. Each is reduced to a few figures per
+layer and per variable (maxima, finiteness flags, underflow counts and the
+norm of what underflow loses against the twin's gradients), with few ops:
+compiling the two passes is most of what a diagnosis costs on a small
+number of batches. The replicas' figures are combined (counts and squares
 summed, the rest maxima), then the batches' into rows. A batch's scales
 above the first whose backward pass overflows are not run: a larger scale
 only makes every value larger, so they overflow too.
@@ -23,8 +24,9 @@ from tf_lossscale.ops import float16
 
 # Figures summed over replicas; the others are their maxima.
 _SUMMED = ("underflow", "nonzero", "lost_squares", "reference_squares")
-# Backward passes per forward pass: one forward serves this many scales.
-SCALES_PER_PASS = 1
+# The float16 figures of the backward pass; the others are the forward's.
+_BACKWARD = ("backward_overflow", "variable_nonfinite", "underflow",
+             "lost_squares")
 
 
 class Passes:
@@ -45,17 +47,17 @@ class Passes:
         self._twin_recorder = models.Recorder(self._twin)
         self._recorder = models.Recorder(self._copy)
         self.layer_paths = [path for path, _ in self._recorder.leaves]
+        # The model's variables name the rows; the copy's are measured.
         self._variables = list(model.trainable_variables)
         self._ids = float16.variable_ids(self._variables)
         holders = models.variable_holders(self._copy)
-        copied = list(self._copy.trainable_variables)
-        self._variable_layers = [holders.get(id(v), (None, None))[0]
-                                 for v in copied]
-        self._float16_variable = [
-            holder is not None and holder.compute_dtype == "float16"
-            and not float16.takes_gradient_as_value(v)
-            for v, (_, holder) in (
-                (v, holders.get(id(v), (None, None))) for v in copied)]
+        self._variable_layers, self._float16_variable = [], []
+        for variable in self._copy.trainable_variables:
+            path, holder = holders.get(id(variable), (None, None))
+            self._variable_layers.append(path)
+            self._float16_variable.append(
+                holder is not None and holder.compute_dtype == "float16"
+                and not float16.takes_gradient_as_value(variable))
         self._float16_layer = [layer.compute_dtype == "float16"
                                for _, layer in self._recorder.leaves]
         # Set while tracing: which layers ran, and whether the loss reached
@@ -66,8 +68,8 @@ class Passes:
             lambda batch: self._replicated(self._float32_pass, batch),
             reduce_retracing=True)
         self._float16_fn = tf.function(
-            lambda batch, scales, float32_grads: self._replicated(
-                self._float16_pass, batch, scales, float32_grads)[0],
+            lambda batch, scale, float32_flat: self._replicated(
+                self._float16_pass, batch, scale, float32_flat)[0],
             reduce_retracing=True)
 
     def _loss(self, model, y, y_pred, sample_weight):
@@ -145,8 +147,8 @@ class Passes:
                 flat, self._ids, len(variables)),
         }, flat
 
-    def _float16_pass(self, batch, scales, float32_flat):
-        with tf.GradientTape(persistent=True) as tape:
+    def _float16_pass(self, batch, scale, float32_flat):
+        with tf.GradientTape() as tape:
             records, loss = self._forward(self._copy, self._recorder, batch)
         # In the order they first ran.
         self._called = list(dict.fromkeys(index for index, _ in records))
@@ -178,32 +180,26 @@ class Passes:
             "reference_squares": tf.cast(measured * half, tf.float64) * (
                 float16.squares_by_variable(float32_flat, ids, count)),
         }
-        per_scale = []
-        for index in range(SCALES_PER_PASS):
-            scale = scales[index]
-            output_grads, grads = tape.gradient(
-                loss, (half_outputs, variables),
-                output_gradients=tf.cast(scale, loss.dtype))
-            flat = float16.flatten(grads, variables)
-            nonfinite = float16.nonfinite_by_variable(flat, ids, count)
-            underflow, lost_squares = float16.underflow_by_variable(
-                flat, float32_flat, scale, ids, count)
-            backward_finite = tf.logical_and(
-                tf.reduce_all(self._by_layer(records_half, output_grads,
-                                             finite=True)[1] == 1.0),
-                tf.reduce_max(nonfinite * half) == 0.0)
-            per_scale.append({
-                "backward_overflow": tf.cast(tf.logical_and(
-                    forward_finite, tf.logical_not(backward_finite)),
-                                             tf.float32)[None],
-                "variable_nonfinite": nonfinite,
-                "underflow": measured * half * underflow,
-                "lost_squares": tf.cast(measured * half, tf.float64) * (
-                    lost_squares),
-            })
-        del tape
-        for key in per_scale[0]:
-            figures[key] = tf.stack([row[key] for row in per_scale])
+        # Seeding the backward pass with the scale is differentiating the
+        # scaled loss (d(s * loss)/d loss = s): the same values.
+        output_grads, grads = tape.gradient(
+            loss, (half_outputs, variables),
+            output_gradients=tf.cast(scale, loss.dtype))
+        flat = float16.flatten(grads, variables)
+        nonfinite = float16.nonfinite_by_variable(flat, ids, count)
+        underflow, lost_squares = float16.underflow_by_variable(
+            flat, float32_flat, scale, ids, count)
+        backward_finite = tf.logical_and(
+            tf.reduce_all(self._by_layer(records_half, output_grads,
+                                         finite=True)[1] == 1.0),
+            tf.reduce_max(nonfinite * half) == 0.0)
+        figures.update(
+            backward_overflow=tf.cast(tf.logical_and(
+                forward_finite, tf.logical_not(backward_finite)),
+                                      tf.float32)[None],
+            variable_nonfinite=nonfinite,
+            underflow=measured * half * underflow,
+            lost_squares=tf.cast(measured * half, tf.float64) * lost_squares)
         return figures, None
 
     def _replicated(self, fn, *args):
@@ -243,34 +239,31 @@ class Passes:
 
     def run_batch(self, batch, scales, progress):
         """The figures of one batch: `(float32 figures, float16 figures)`,
-        the latter with one row per scale. Reads the figures back to the
-        host after every pass, to stop at the first scale that overflows."""
+        the float16 backward pass's with one row per scale. Reads a few
+        numbers back to the host after every pass, to stop at the first
+        scale that overflows."""
         distributed = self._distribute(batch)
-        figures32, float32_grads = self._float32_fn(distributed)
+        figures32, float32_flat = self._float32_fn(distributed)
         progress.advance()
         forward, rows = None, []
-        for start in range(0, len(scales), SCALES_PER_PASS):
-            chunk = scales[start:start + SCALES_PER_PASS]
-            padded = chunk + chunk[-1:] * (SCALES_PER_PASS - len(chunk))
+        for scale in scales:
             figures = {key: np.asarray(value) for key, value in
                        self._float16_fn(distributed, tf.constant(
-                           padded, tf.float32), float32_grads).items()}
-            if forward is None:
-                forward = {key: value for key, value in figures.items()
-                           if key not in _PER_SCALE}
-            rows += [{key: figures[key][i] for key in _PER_SCALE}
-                     for i in range(len(chunk))]
-            progress.advance(len(chunk))
+                           scale, tf.float32), float32_flat).items()}
+            forward = forward or {key: value for key, value in figures.items()
+                                  if key not in _BACKWARD}
+            rows.append({key: figures[key] for key in _BACKWARD})
+            progress.advance()
             if (forward["input_nonfinite"][0] or forward["forward_nonfinite"][0]
-                    or any(row["backward_overflow"][0] for row in rows)):
+                    or rows[-1]["backward_overflow"][0]):
                 break
         progress.advance(len(scales) - len(rows))
         # Scales not run repeat the last one run (see the module docstring).
         rows += rows[-1:] * (len(scales) - len(rows))
-        per_scale = {key: np.stack([row[key] for row in rows])
-                     for key in _PER_SCALE}
+        backward = {key: np.stack([row[key] for row in rows])
+                    for key in _BACKWARD}
         return ({key: np.asarray(value) for key, value in figures32.items()},
-                dict(forward, **per_scale))
+                dict(forward, **backward))
 
     def figures(self, batches, scales, progress):
         """The figures of `batches` at `scales`: counts of batches, and one
@@ -378,16 +371,6 @@ class Passes:
         return rows
 
 
-_PER_SCALE = ("backward_overflow", "variable_nonfinite", "underflow",
-              "lost_squares")
-
-
 def _root_share(squares, total):
     """sqrt(squares / total): a share of a norm from squared norms."""
     return float(np.sqrt(float(squares) / total)) if total > 0 else 0.0
-
-
-def _per_item(items, fn=float16.largest_magnitude):
-    """`fn` of each item (a tensor or a list of them; by default its largest
-    magnitude) as a float32 vector."""
-    return tf.stack([tf.cast(fn(item), tf.float32) for item in items])

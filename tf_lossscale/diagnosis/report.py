@@ -116,7 +116,10 @@ class Float16Diagnosis:
         keep = set(self.keep_in_float32)
         while True:
             fixed = models.copy(model, keep)
-            checked = self._diagnose(fixed, **self._arguments)
+            # With no dtype changed, the copy computes as the model did:
+            # this report is its diagnosis.
+            checked = self._diagnose(fixed, **self._arguments) if keep else (
+                self)
             first = checked.first_nonfinite_layer
             dtypes = {row["name"]: row["compute_dtype"]
                       for row in checked.as_dict()["layers"]}
