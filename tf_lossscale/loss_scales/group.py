@@ -33,6 +33,7 @@ import tensorflow as tf
 from tf_lossscale._internal import checks
 from tf_lossscale._internal import private_api
 from tf_lossscale.loss_scales import dynamic_loss_scale
+from tf_lossscale.loss_scales import failure_policy
 from tf_lossscale.loss_scales import loss_scale as loss_scale_lib
 from tf_lossscale.loss_scales import xla_record
 from tf_lossscale.ops import replicas
@@ -289,8 +290,9 @@ class LossScaleGroup(private_api.Trackable):
         if self._members_mask is not None:
             raise ValueError(
                 "This LossScaleGroup has stepped already, with the optimizers "
-                f"{[m.name for m in self.members]}: every optimizer must join "
-                "before the first step (make them all, then train)")
+                f"{', '.join(m.name for m in self.members)}: every optimizer "
+                "must join before the first step (make them all, then "
+                "train)")
         if len(self._members) >= MAX_MEMBERS:
             raise ValueError(f"A LossScaleGroup takes at most {MAX_MEMBERS} "
                              "optimizers")
@@ -404,8 +406,8 @@ class LossScaleGroup(private_api.Trackable):
         if xla_record.in_xla_context():
             return self._xla_step(members, moved, stepped, overflowed, flags)
         refusal = tf.debugging.Assert(tf.logical_not(moved.refused), [
-            self._refusal_prefix(members), "members stepped:", stepped,
-            "overflowed:", overflowed])
+            self._graph_message(members, moved.repeated, stepped,
+                                overflowed)])
         with tf.control_dependencies([refusal]):
             assignments = self._assign(moved.stepped, moved.overflowed)
             scale_moved = tf.cond(
@@ -475,38 +477,44 @@ class LossScaleGroup(private_api.Trackable):
 
     # Messages.
 
-    def _names(self, bits):
-        return [m.name for m in self.members if bits & (1 << m.index)]
-
-    def _refusal_prefix(self, members):
+    def _templates(self, members):
+        """The messages of a refused step of `members`, with `{}` for the
+        values (`tf.strings.format`): (repeated: stepped; damaged state:
+        stepped, overflowed)."""
         names = ", ".join(m.name for m in members)
-        return (f"tf_lossscale: the LossScaleGroup refused the step of {names}"
-                f" (members: {', '.join(m.name for m in self.members)}): one "
-                "of them has stepped already in this iteration (it ends when "
-                "every member has stepped; for other schedules, a `with group."
-                "iteration():` block per iteration), or the group's state "
-                "cannot be right (a damaged file?). Nothing was changed.")
-
-    def _message(self, members, repeated, stepped, overflowed):
-        names = ", ".join(m.name for m in members)
-        if repeated:
-            waiting = [m.name for m in self.members
-                       if not stepped & (1 << m.index)]
-            return (
-                f"tf_lossscale: {names} stepped twice in one iteration of its "
-                f"LossScaleGroup: the iteration ends when every optimizer "
-                f"has stepped once, and {', '.join(waiting) or 'none'} has "
-                "not stepped yet (is one optimizer of the group never used, "
-                "or used in other iterations only?). For schedules where the "
-                "optimizers do not all step every iteration, make each "
-                "iteration's steps inside `with group.iteration():`. The step "
-                "was refused; nothing was changed.")
-        return (
+        bits = ", ".join(f"{m.name} (bit {1 << m.index})"
+                         for m in self.members)
+        repeated = (
+            f"tf_lossscale: {names} stepped twice in one iteration of its "
+            f"LossScaleGroup, whose optimizers are {bits}; the bits of those "
+            "that stepped in this iteration: {}. An iteration ends when every "
+            "optimizer has stepped once: is one of them never used, or used "
+            "in other iterations only? For schedules where the optimizers do "
+            "not all step every iteration, make each iteration's steps inside "
+            "`with group.iteration():`. The step was refused; nothing was "
+            "changed.")
+        invalid = (
             f"tf_lossscale: the LossScaleGroup of {names} holds a state that "
             f"cannot be right (restored from a file, or assigned?): "
-            f"{STEPPED}={stepped} (members' bits: {self._members_bits()}), "
-            f"{OVERFLOWED}={overflowed} (0 or 1). The step was refused; "
-            "nothing was changed.")
+            f"{STEPPED}={{}} (its optimizers: {bits}), {OVERFLOWED}={{}} "
+            "(0 or 1). The step was refused; nothing was changed.")
+        return repeated, invalid
+
+    def _message(self, members, repeated, stepped, overflowed):
+        """The message of a refused step, formatted on the host as the
+        step formats it."""
+        templates = self._templates(members)
+        if repeated:
+            return failure_policy.format_like_the_step(
+                templates[0], ((stepped, tf.int64),))
+        return failure_policy.format_like_the_step(
+            templates[1], ((stepped, tf.int64), (overflowed, tf.int64)))
+
+    def _graph_message(self, members, repeated, stepped, overflowed):
+        repeated_template, invalid_template = self._templates(members)
+        return tf.where(
+            repeated, tf.strings.format(repeated_template, [stepped]),
+            tf.strings.format(invalid_template, [stepped, overflowed]))
 
     def _refusal_message(self, values):
         """The message of a refusal recorded under XLA (`xla_record.refuse`)."""
