@@ -121,7 +121,18 @@ def gan_class(keras):
         def _steps(self, data):
             images, noise_d, noise_g, poison = (data[key] for key in (
                 "images", "noise_d", "noise_g", "poison"))
-            loss_fn = keras.losses.BinaryCrossentropy(from_logits=True)
+            # Under a strategy the optimizers sum the replicas' gradients:
+            # each replica differentiates its share of the global batch's
+            # mean loss, and logs that mean, as one device would. The loss
+            # is TensorFlow's (Keras 3's losses divide by the replicas
+            # themselves, tf-keras' refuse to run under a strategy here).
+            context = tf.distribute.get_replica_context()
+            share = 1.0 / context.num_replicas_in_sync
+
+            def loss_fn(labels, logits):
+                return tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(
+                    labels=labels, logits=tf.cast(logits, tf.float32)))
+
             batch = tf.shape(images)[0]
             fake = tf.cast(self.generator(noise_d), images.dtype)
             combined = tf.concat([fake, images], axis=0)
@@ -130,7 +141,7 @@ def gan_class(keras):
             d_weights = self.discriminator.trainable_weights
             with tf.GradientTape() as tape:
                 d_loss = loss_fn(labels, self.discriminator(combined))
-                scaled = _scaled(self.d_optimizer, d_loss)
+                scaled = _scaled(self.d_optimizer, d_loss * share)
             grads = tape.gradient(scaled, d_weights)
             self.d_optimizer.apply_gradients(zip(grads, d_weights))
 
@@ -138,15 +149,24 @@ def gan_class(keras):
             with tf.GradientTape() as tape:
                 predictions = self.discriminator(self.generator(noise_g))
                 g_loss = loss_fn(tf.zeros((batch, 1)), predictions)
-                scaled = _scaled(self.g_optimizer, g_loss)
+                scaled = _scaled(self.g_optimizer, g_loss * share)
             grads = tape.gradient(scaled, g_weights)
             # 0.0 exactly, or NaN: poisons this optimizer's gradients only.
             planted = tf.reduce_sum(poison)
             grads = [g + tf.cast(planted, g.dtype) for g in grads]
             self.g_optimizer.apply_gradients(zip(grads, g_weights))
-            return {"d_loss": d_loss, "g_loss": g_loss}
+            mean = tf.distribute.ReduceOp.MEAN
+            return {"d_loss": context.all_reduce(mean, d_loss),
+                    "g_loss": context.all_reduce(mean, g_loss)}
 
     return GAN
+
+
+def inner_optimizer(keras):
+    """Each optimizer's: SGD with momentum, whose steps are proportional to
+    the gradients (Adam's would hide a wrongly unscaled gradient) and whose
+    slots make a wrongly applied skipped step visible later on."""
+    return keras.optimizers.SGD(learning_rate=0.05, momentum=0.5)
 
 
 def build(keras, weights, block=None):
@@ -154,12 +174,26 @@ def build(keras, weights, block=None):
     discriminator, generator = _discriminator(keras), _generator(keras)
     discriminator.set_weights(weights[0])
     generator.set_weights(weights[1])
-    return gan_class(keras)(discriminator, generator, block=block)
+    model = gan_class(keras)(discriminator, generator, block=block)
+    if hasattr(model, "distribute_reduction_method"):
+        # tf-keras sums the replicas' logs (Keras 3 averages them); the
+        # step logs the mean every replica holds.
+        model.distribute_reduction_method = "first"
+    return model
 
 
-def recorder(keras, optimizers):
+def inner_values(optimizer):
+    """The inner optimizer's variables' values (its step count and slots)."""
+    variables = optimizer.inner_optimizer.variables
+    return [np.array(v.numpy()) for v in (
+        variables() if callable(variables) else variables)]
+
+
+def recorder(keras, optimizers, snapshots=()):
     """A callback recording after each batch the logged losses, the loss
-    scale (None for plain optimizers) and each optimizer's skipped steps."""
+    scale (None for plain optimizers), each optimizer's skipped steps and
+    the logs the monitor adds; after the batches in `snapshots`, copies of
+    both models' weights and both inner optimizers' variables."""
 
     class Recorder(keras.callbacks.Callback):
 
@@ -169,24 +203,36 @@ def recorder(keras, optimizers):
 
         def on_train_batch_end(self, batch, logs=None):
             scale = getattr(optimizers[0], "loss_scale", None)
-            self.steps.append({
+            step = {
                 "d_loss": float(logs["d_loss"]),
                 "g_loss": float(logs["g_loss"]),
                 "scale": None if scale is None else float(scale()),
                 "skipped": [int(getattr(o, "skipped_steps", 0))
                             for o in optimizers],
-            })
+                "logs": {key: logs[key] for key in logs
+                         if key not in ("d_loss", "g_loss")},
+            }
+            if len(self.steps) in snapshots:
+                step["values"] = {
+                    "d": [np.array(w) for w in
+                          self.model.discriminator.get_weights()],
+                    "g": [np.array(w) for w in
+                          self.model.generator.get_weights()],
+                    "d_inner": inner_values(optimizers[0]),
+                    "g_inner": inner_values(optimizers[1])}
+            self.steps.append(step)
 
     return Recorder()
 
 
 def fit(keras, model, optimizers, arrays, batch_size, jit_compile=False,
-        callbacks=()):
+        callbacks=(), snapshots=()):
     """Compiles `model` with the two optimizers and fits it on `arrays` for
-    one epoch; returns the recorded steps (`recorder`)."""
+    one epoch; returns the recorded steps (`recorder`). Under a strategy,
+    call it under its scope (compile makes Keras' own optimizer)."""
     model.compile(d_optimizer=optimizers[0], g_optimizer=optimizers[1],
                   jit_compile=jit_compile)
-    record = recorder(keras, optimizers)
+    record = recorder(keras, optimizers, snapshots)
     model.fit(dataset(arrays, batch_size), epochs=1, verbose=0,
               callbacks=[*callbacks, record])
     return record.steps
