@@ -103,6 +103,17 @@ def gan_class(keras):
             self.generator = generator
             self._block = block
 
+        def get_config(self):  # For `.keras` files.
+            serialize = keras.saving.serialize_keras_object
+            return {"discriminator": serialize(self.discriminator),
+                    "generator": serialize(self.generator)}
+
+        @classmethod
+        def from_config(cls, config):
+            deserialize = keras.saving.deserialize_keras_object
+            return cls(deserialize(config["discriminator"]),
+                       deserialize(config["generator"]))
+
         def compile(self, d_optimizer, g_optimizer, **kwargs):
             super().compile(**kwargs)
             self.d_optimizer = d_optimizer
@@ -119,6 +130,8 @@ def gan_class(keras):
                 return self._steps(data)
 
         def _steps(self, data):
+            if isinstance(data, tuple):  # train_on_batch's (x, y, weights).
+                data = data[0]
             images, noise_d, noise_g, poison = (data[key] for key in (
                 "images", "noise_d", "noise_g", "poison"))
             # Under a strategy the optimizers sum the replicas' gradients:
@@ -175,6 +188,7 @@ def build(keras, weights, block=None):
     discriminator.set_weights(weights[0])
     generator.set_weights(weights[1])
     model = gan_class(keras)(discriminator, generator, block=block)
+    model({"noise_g": np.zeros((1, LATENT), np.float32)})  # Built, to save.
     if hasattr(model, "distribute_reduction_method"):
         # tf-keras sums the replicas' logs (Keras 3 averages them); the
         # step logs the mean every replica holds.
