@@ -181,3 +181,12 @@ def test_a_groups_optimizers_live_under_one_strategy():
             tf_lossscale.LossScaleOptimizer(keras.optimizers.SGD(),
                                             loss_scale=group)
     assert group.members == [d_optimizer.loss_scale]
+
+
+def test_a_loss_scale_an_optimizer_holds_cannot_join_a_group():
+    loss_scale = tf_lossscale.DynamicLossScale()
+    optimizer = tf_lossscale.LossScaleOptimizer(keras.optimizers.SGD(),
+                                                loss_scale=loss_scale)
+    with pytest.raises(ValueError, match=f"held by the optimizer.*"
+                       f"'{optimizer.name}'"):
+        tf_lossscale.LossScaleGroup(loss_scale)

@@ -187,6 +187,13 @@ class LossScaleGroup(private_api.Trackable):
             raise ValueError(
                 f"loss_scale {inner!r} is the loss scale of another "
                 "LossScaleGroup already; a loss scale can be in one group")
+        held_by = [getattr(o, "name", o) for o in loss_scale_lib.holders(inner)]
+        if held_by and inner.variables:
+            raise ValueError(
+                f"loss_scale {inner!r} is held by the optimizer(s) "
+                f"{', '.join(map(repr, held_by))}, whose steps would move it "
+                "outside the group: give the group a loss scale no optimizer "
+                "holds, and the group to every optimizer")
         replicas.check_supported()
         strategy = replicas.strategy_in_use()
         made_under = getattr(inner, "_strategy", None)

@@ -37,6 +37,20 @@ def graph_op(op):
 
 # The loss scales in a `LossScaleGroup` (weakly), which only the group moves.
 GROUPED = weakref.WeakKeyDictionary()
+# The optimizer wrappers holding each loss scale (weakly, both ways).
+_HOLDERS = weakref.WeakKeyDictionary()
+
+
+def holders(loss_scale):
+    """The living optimizer wrappers that hold `loss_scale`, oldest first."""
+    return [owner for owner in (ref() for ref in _HOLDERS.get(loss_scale, ()))
+            if owner is not None]
+
+
+def add_holder(loss_scale, owner):
+    """Records that the optimizer wrapper `owner` holds `loss_scale`."""
+    _HOLDERS[loss_scale] = [weakref.ref(o)
+                            for o in holders(loss_scale) + [owner]]
 
 
 def update_from_grads(loss_scale, grads):

@@ -10,16 +10,12 @@ which are its inner optimizer's.
 """
 
 import warnings
-import weakref
 
 from tf_lossscale._internal import checks
 from tf_lossscale.loss_scales import dynamic_loss_scale
 from tf_lossscale.loss_scales import group as group_lib
 from tf_lossscale.loss_scales import loss_scale as loss_scale_lib
 from tf_lossscale.loss_scales import serialization
-
-# The wrappers holding each stateful loss scale (weakly, both).
-_HOLDERS = weakref.WeakKeyDictionary()
 
 # Base-optimizer arguments Keras 3 writes into saved wrapper configs.
 _BASE_OPTIMIZER_DEFAULTS = {
@@ -111,7 +107,7 @@ def claim(loss_scale, owner):
     """
     if isinstance(loss_scale, group_lib.LossScaleGroup):
         member = loss_scale.join(owner)
-        _HOLDERS[member] = [weakref.ref(owner)]
+        loss_scale_lib.add_holder(member, owner)
         return member
     if not isinstance(loss_scale, loss_scale_lib.LossScale):
         return loss_scale  # TensorFlow's own, in the TF1 wrapper.
@@ -121,17 +117,16 @@ def claim(loss_scale, owner):
             f"loss_scale={loss_scale!r} is the loss scale of a LossScaleGroup"
             ": give the optimizer the group itself (loss_scale=group), which "
             "moves the scale once per iteration of all its optimizers")
-    holders = [ref for ref in _HOLDERS.get(loss_scale, ())
-               if ref() is not None]
+    holders = loss_scale_lib.holders(loss_scale)
     if holders and isinstance(loss_scale, group_lib.GroupMember):
         raise ValueError(
             f"loss_scale={loss_scale!r} is the group member of "
-            f"{_name_of(holders[0]())}; give each optimizer the "
+            f"{_name_of(holders[0])}; give each optimizer the "
             "LossScaleGroup itself (loss_scale=group): each gets a member")
     if isinstance(loss_scale, group_lib.GroupMember):
         loss_scale.adopt(owner)  # Joined by hand: its optimizer is `owner`.
     if holders and loss_scale.variables:
-        others = ", ".join(_name_of(ref()) for ref in holders)
+        others = ", ".join(_name_of(holder) for holder in holders)
         warnings.warn(
             f"This optimizer gets the {type(loss_scale).__name__} that "
             f"{others} holds already. Each optimizer's step is then a step of "
@@ -142,7 +137,7 @@ def claim(loss_scale, owner):
             "every optimizer a tf_lossscale.LossScaleGroup(loss_scale) "
             "instead (docs/guides/several-optimizers.md).",
             checks.SharedLossScaleWarning, stacklevel=checks.user_stacklevel())
-    _HOLDERS[loss_scale] = holders + [weakref.ref(owner)]
+    loss_scale_lib.add_holder(loss_scale, owner)
     return loss_scale
 
 
