@@ -39,7 +39,9 @@ def _group(initial=2.0**10, period=3, names=("d", "g", "h"), **kwargs):
 
 
 def _grads(finite):
-    return [tf.constant([1.0, 2.0]), tf.constant(1.0 if finite else _NAN)]
+    """The last gradient is NaN unless `finite` (a bool, or a bool tensor:
+    one trace for both)."""
+    return [tf.constant([1.0, 2.0]), tf.where(finite, 1.0, _NAN)]
 
 
 def _state(group):
@@ -95,10 +97,10 @@ def test_a_member_stepping_twice_in_an_iteration_is_refused(mode):
         step = tf.function(step, jit_compile=mode == "xla")
     if mode == "xla":
         step = tf_lossscale.with_xla_checks(step, d)
-    step("d", True)
+    step("d", tf.constant(True))
     before = _state(group)
     with pytest.raises(tf.errors.InvalidArgumentError) as raised:
-        step("d", False)
+        step("d", tf.constant(False))
     # A graph's assertion message escapes its quotes.
     message = str(raised.value).replace("\\'", "'")
     assert "'d' stepped twice in one iteration" in message, message
@@ -108,8 +110,8 @@ def test_a_member_stepping_twice_in_an_iteration_is_refused(mode):
     for now, was in zip(_state(group), before):
         np.testing.assert_array_equal(now, was)
     # The iteration goes on: the others step, and the scale moves once.
-    step("g", True)
-    step("h", True)
+    step("g", tf.constant(True))
+    step("h", tf.constant(True))
     assert int(group.loss_scale.good_steps) == 1
 
 

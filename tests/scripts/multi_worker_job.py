@@ -8,9 +8,10 @@ processes (one TensorFlow import each) serves every multi-worker test:
 - "keras_3", "tf_keras": the Keras 3 and the tf-keras (`tf_keras` imported
   directly) wrapper in a custom loop (`multi_worker_keras_worker.py`, `JOB`);
 - "loss_scale": a `DynamicLossScale` alone (`multi_worker_loss_scale_worker.py`);
-- "keras_3_group", "keras_3_group_block": two Keras 3 optimizers in one
-  `LossScaleGroup`, stepped one after the other (`skip="each"`), or inside a
-  `group.iteration()` block (`skip="together"`) (`run_group`).
+- "keras_3_group": two Keras 3 optimizers in one `LossScaleGroup`, stepped
+  in a `group.iteration()` block: one agreement across the workers for both
+  (`run_group`; the steps of a group outside a block agree as a single
+  optimizer's do, and `skip="together"` differs only on the host).
 
 A scenario that raises is reported as its traceback and ends its worker,
 and a worker that dies or hangs ends the job (its peer would wait in a
@@ -66,9 +67,7 @@ SCENARIOS = {
     "loss_scale": lambda strategy: loss_scale_worker.run(
         strategy, loss_scale_worker.make_job()),
     "keras_3_group": lambda strategy: keras_worker.run_group(
-        strategy, JOB, _keras_3(), skip="each", block=False),
-    "keras_3_group_block": lambda strategy: keras_worker.run_group(
-        strategy, JOB, _keras_3(), skip="together", block=True),
+        strategy, JOB, _keras_3()),
 }
 
 
@@ -196,10 +195,10 @@ def single_process_weights(job, keras):
     return np.array(trace)
 
 
-def single_process_group_weights(job, keras, skip):
+def single_process_group_weights(job, keras):
     """Weights after each step of `run_group`'s job on one device: the
-    second optimizer's step (`skip="each"`) or both (`"together"`) left out
-    where worker `nan_task` planted its NaN."""
+    second optimizer's step left out where worker `nan_task` planted its
+    NaN."""
     model = keras_worker.build_model(keras)
     parts = keras_worker.layer_variables(model)
     optimizers = [keras_worker.make_inner_optimizer(keras) for _ in parts]
@@ -215,7 +214,7 @@ def single_process_group_weights(job, keras, skip):
         grads = tape.gradient(loss, parts)
         for index, (optimizer, g, v) in enumerate(zip(optimizers, grads,
                                                       parts)):
-            if poisoned and (index == 1 or skip == "together"):
+            if poisoned and index == 1:
                 continue
             optimizer.apply_gradients(zip(g, v))
         trace.append(np.concatenate([w.ravel() for w in model.get_weights()]))

@@ -19,11 +19,11 @@ its batch at each step listed in `nan_steps`, the other workers never do.
 `run_group` trains the same model with two optimizers in one
 `tf_lossscale.LossScaleGroup`, one per layer, each scaling the same loss; the
 NaN of worker `nan_task` is planted in the second optimizer's gradients only
-(the data are finite). It steps them one after the other (`skip="each"`) or
-inside a `group.iteration()` block, and returns per step the scale, each
-optimizer's skipped steps and the weights, with the all-reduce ops a traced
-step holds at its top level (the agreements; the gradients' own all-reduces
-are inside the branches that apply).
+(the data are finite). It steps them inside a `group.iteration()` block and
+returns per step the scale, each optimizer's skipped steps and the weights,
+with the all-reduce ops a traced step holds at its top level (the
+agreements; the gradients' own all-reduces are inside the branches that
+apply).
 
 The data and the initial weights come from functions here that the tests also
 import, to replay the job in one process.
@@ -136,15 +136,16 @@ def poison_and_finite_batches(task_id, job):
     return np.nan_to_num(x), y, poison.astype(np.float32)
 
 
-def run_group(strategy, job, keras, skip, block):
-    """Trains the job's model with a `LossScaleGroup` of two optimizers."""
+def run_group(strategy, job, keras):
+    """Trains the job's model with a `LossScaleGroup` of two optimizers,
+    stepped in one `group.iteration()` block."""
     task_id = strategy.cluster_resolver.task_id
     global_batch_size = LOCAL_BATCH_SIZE * strategy.num_replicas_in_sync
 
     with strategy.scope():
         model = build_model(keras)
         group = tf_lossscale.LossScaleGroup(tf_lossscale.DynamicLossScale(
-            job["initial_loss_scale"], job["increment_period"]), skip=skip)
+            job["initial_loss_scale"], job["increment_period"]))
         optimizers = [tf_lossscale.LossScaleOptimizer(
             make_inner_optimizer(keras), loss_scale=group) for _ in range(2)]
         parts = layer_variables(model)
@@ -166,16 +167,9 @@ def run_group(strategy, job, keras, skip, block):
             scaled = [optimizer.scale_loss(loss) for optimizer in optimizers]
         grads = [tape.gradient(s, v) for s, v in zip(scaled, parts)]
         grads[1] = [g + poison for g in grads[1]]
-
-        def steps():
+        with group.iteration():
             for optimizer, g, v in zip(optimizers, grads, parts):
                 optimizer.apply_gradients(zip(g, v))
-
-        if block:
-            with group.iteration():
-                steps()
-        else:
-            steps()
 
     @tf.function
     def train_step(inputs):

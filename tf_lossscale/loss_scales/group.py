@@ -295,11 +295,12 @@ class LossScaleGroup(private_api.Trackable):
         """Raises ValueError, changing nothing, unless an optimizer made now
         (under the current strategy) can join."""
         if self._members_mask is not None:
+            names = ", ".join(m.name for m in self.members) or (
+                "none left (was each one discarded after its step was built?)")
             raise ValueError(
                 "This LossScaleGroup has stepped already, with the optimizers "
-                f"{', '.join(m.name for m in self.members)}: every optimizer "
-                "must join before the first step (make them all, then "
-                "train)")
+                f"{names}: every optimizer must join before the first step "
+                "(make them all, then train)")
         if len(self._members) >= MAX_MEMBERS:
             raise ValueError(f"A LossScaleGroup takes at most {MAX_MEMBERS} "
                              "optimizers")
