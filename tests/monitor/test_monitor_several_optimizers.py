@@ -3,7 +3,7 @@
 Optimizers sharing a `LossScaleGroup` log `loss_scale` once; optimizers with
 loss scales of their own log one each, under their labels; every optimizer
 logs its skipped steps, and `verbose` names it in its lines. The journey of
-a GAN whose optimizers share a group is `tests/keras/test_several_optimizers.py`.
+a GAN whose optimizers share a group: `tests/keras/test_several_optimizers.py`.
 """
 
 import keras

@@ -7,7 +7,8 @@ processes (one TensorFlow import each) serves every multi-worker test:
 
 - "keras_3", "tf_keras": the Keras 3 and the tf-keras (`tf_keras` imported
   directly) wrapper in a custom loop (`multi_worker_keras_worker.py`, `JOB`);
-- "loss_scale": a `DynamicLossScale` alone (`multi_worker_loss_scale_worker.py`);
+- "loss_scale": a `DynamicLossScale` alone
+  (`multi_worker_loss_scale_worker.py`);
 - "keras_3_group": two Keras 3 optimizers in one `LossScaleGroup`, stepped
   in a `group.iteration()` block: one agreement across the workers for both
   (`run_group`; the steps of a group outside a block agree as a single

@@ -8,6 +8,8 @@ and slots bit-identical. Eagerly, in a `tf.function`, under XLA and under
 MirroredStrategy with the NaN on one replica only.
 """
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -25,7 +27,7 @@ _NAN = float("nan")
 def _pair(skip="each", strategy=None):
     """`(group, (d, g), (a, b))`: two Adam wrappers in one group, each with
     one variable, built."""
-    with strategy.scope() if strategy else _nothing():
+    with strategy.scope() if strategy else contextlib.nullcontext():
         group = tf_lossscale.LossScaleGroup(
             tf_lossscale.DynamicLossScale(2.0**10, 2), skip=skip)
         optimizers = tuple(tf_lossscale.LossScaleOptimizer(
@@ -34,14 +36,6 @@ def _pair(skip="each", strategy=None):
         for optimizer, variable in zip(optimizers, variables):
             optimizer.build([variable])
     return group, optimizers, variables
-
-
-class _nothing:  # pylint: disable=invalid-name
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
-        return False
 
 
 def _values(optimizer, variable):

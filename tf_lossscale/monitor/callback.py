@@ -65,8 +65,9 @@ class _SkipPrinter:
         named = ", ".join(paths[:_MAX_NAMED_VARIABLES])
         if len(paths) > _MAX_NAMED_VARIABLES:
             named += f" and {len(paths) - _MAX_NAMED_VARIABLES} more"
-        print(f"\nLossScaleMonitor:{self._who} {what}; loss scale {before!r} -> "
-              f"{after!r}; non-finite gradients: {named or 'none recorded'}")
+        print(f"\nLossScaleMonitor:{self._who} {what}; loss scale "
+              f"{before!r} -> {after!r}; non-finite gradients: "
+              f"{named or 'none recorded'}")
 
     def _print_rest(self):
         skips, first, before, after = self._rest

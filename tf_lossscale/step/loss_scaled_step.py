@@ -9,13 +9,13 @@ gradients to `apply_or_skip`, which
    records which variables' gradients were not finite (worked out on skipped
    steps only).
 The unscale, the check and the agreement are the fields of a `StepParts`, so
-the benchmark can replace each. The optimizers of a `LossScaleGroup` take
-part as its members: each step is a member's step (the group moves the scale
-once per iteration), and inside a `group.iteration()` block the steps wait
-for its end, where `DeferredStep.run_together` agrees on all of them with
-one all-reduce and applies or skips each. Variables that take their gradient as their
+the benchmark can replace each. Variables that take their gradient as their
 value (Keras' float8 `overwrite_with_gradient`) get it as computed, as Keras'
-own wrapper does. Under XLA a failed or refused step halts every later one
+own wrapper does. The optimizers of a `LossScaleGroup` take part as its
+members: each step is a member's step (the group moves the scale once per
+iteration); inside a `group.iteration()` block the steps wait for its end,
+where `DeferredStep.run_together` agrees on all of them with one all-reduce
+and applies or skips each. Under XLA a failed or refused step halts every later one
 until the host has acted (`loss_scales.xla_checks`).
 """
 
