@@ -190,3 +190,15 @@ def test_a_loss_scale_an_optimizer_holds_cannot_join_a_group():
     with pytest.raises(ValueError, match=f"held by the optimizer.*"
                        f"'{optimizer.name}'"):
         tf_lossscale.LossScaleGroup(loss_scale)
+
+
+def test_an_optimizer_made_from_a_grouped_ones_config_gets_a_group_of_its_own():
+    group = tf_lossscale.LossScaleGroup(
+        tf_lossscale.DynamicLossScale(2.0**10, 7), skip="together")
+    d_optimizer, _ = _optimizers(group)
+    config = keras.optimizers.serialize(d_optimizer)
+    assert config["config"]["loss_scale"] == tf_lossscale.serialize(group)
+    again = keras.optimizers.deserialize(config)
+    assert again.loss_scale_group is not group
+    assert again.loss_scale_group.get_config() == group.get_config()
+    assert again.loss_scale_group.members == [again.loss_scale]
