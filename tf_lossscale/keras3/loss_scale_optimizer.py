@@ -14,6 +14,7 @@ import tensorflow as tf
 from tf_lossscale._internal import checks
 from tf_lossscale._internal import private_api
 from tf_lossscale.keras3 import saving
+from tf_lossscale.loss_scales import group as group_lib
 from tf_lossscale.loss_scales import loss_scale as loss_scale_lib
 from tf_lossscale.loss_scales import xla_checks
 from tf_lossscale.ops import replicas
@@ -58,6 +59,7 @@ def _for_tf_keras(inner_optimizer):
 
 
 def _warn_if_scaling_bfloat16(loss_scale):
+    loss_scale = group_lib.underlying(loss_scale)
     policy = keras.mixed_precision.global_policy()
     scales = not (isinstance(loss_scale, loss_scale_lib.FixedLossScale)
                   and loss_scale.loss_scale_value == 1)
@@ -85,7 +87,9 @@ class LossScaleOptimizer(saving.SavedState,
         the same arguments; `isinstance(opt, LossScaleOptimizer)` holds for
         both.
       loss_scale: anything `tf_lossscale.get` takes: a number (a fixed
-        scale), `"dynamic"` (the default), a `LossScale` or its config.
+        scale), `"dynamic"` (the default), a `LossScale` or its config, or a
+        `LossScaleGroup` that several optimizers share (the optimizer
+        joins it: `loss_scale` is then its `GroupMember`).
       name: the optimizer's name.
       initial_scale, dynamic_growth_steps, dynamic: instead of `loss_scale`,
         Keras' and tf-keras' arguments (a dynamic scale with multiplier 2;
@@ -126,6 +130,7 @@ class LossScaleOptimizer(saving.SavedState,
             loss_scale, dynamic, initial_scale, dynamic_growth_steps)
         # Keras' own wrapper's constructor makes scale variables we do not use.
         private_api.init_without_keras_loss_scale_optimizer(self, name)
+        resolved = optimizer_arguments.claim(resolved, self)
         self.inner_optimizer = inner_optimizer
         # tf-keras' flag: every wrapper, tf-keras' own too, now refuses it.
         setattr(inner_optimizer, private_api.TF_KERAS_WRAPPED, True)
