@@ -106,7 +106,7 @@ def _functional_view(model):
             raise TypeError(
                 f"model {model.name!r} is not built: give it a keras.Input "
                 "(or call it once) before scale_per_layer")
-        return keras.Model(model.inputs, model.outputs, name=model.name)
+        return keras.Model(model.input, model.output, name=model.name)
     if not getattr(model, "inputs", None):
         raise TypeError(
             f"model {model.name!r} has no graph of layers (a subclassed "
@@ -205,9 +205,16 @@ def _rebuilt(view, segment_of, top):
             tensor_segment[id(tensor)] = segment
         return outputs
 
+    # New inputs named as the model's (clone_model names them after their
+    # tensors).
+    input_names = {id(layer.output): layer.name for layer in view.layers
+                   if isinstance(layer, keras.layers.InputLayer)}
+    inputs = keras.tree.map_structure(
+        lambda t: keras.Input(batch_shape=t.shape, dtype=t.dtype,
+                              name=input_names.get(id(t))), view.input)
     clone_model = keras.models.clone_model(
         keras.Model(view.input, view.output, name=view.name),
-        clone_function=clone, call_function=call)
+        input_tensors=inputs, clone_function=clone, call_function=call)
     outputs = keras.tree.map_structure(
         lambda t: crossing(t, top, keras.backend.standardize_dtype(t.dtype)),
         clone_model.output)
