@@ -106,7 +106,9 @@ def _functional_view(model):
             raise TypeError(
                 f"model {model.name!r} is not built: give it a keras.Input "
                 "(or call it once) before scale_per_layer")
-        return keras.Model(model.input, model.output, name=model.name)
+        # One input and one output, as tensors: the model is called so.
+        return keras.Model(model.inputs[0], model.outputs[0],
+                           name=model.name)
     if not getattr(model, "inputs", None):
         raise TypeError(
             f"model {model.name!r} has no graph of layers (a subclassed "
