@@ -46,12 +46,18 @@ class LayerwiseModel(keras.Model):
         object.__setattr__(self, "_segments", [list(s) for s in segments])
         object.__setattr__(self, "_factor_rule", rule)
         lower = len(segments) - 1
-        # The variables are tracked by add_weight; the tuple is not state.
+        # Every factor starts at 1, within its bounds.
+        initial = {"gradient_factors": keras.initializers.Constant(
+            min(max(1.0, rule.min_factor), rule.max_factor))}
+        for name, dtype, init in _STATE:
+            # An attribute each, so that checkpoints name them.
+            setattr(self, f"_{name}", self.add_weight(
+                shape=(lower,), dtype=dtype,
+                initializer=initial.get(name, init), trainable=False,
+                name=name, aggregation="none", autocast=False))
+        # The tuple is no state of its own.
         object.__setattr__(self, "_factor_state", rule_lib.FactorState(*(
-            self.add_weight(shape=(lower,), dtype=dtype, initializer=init,
-                            trainable=False, name=name, aggregation="none",
-                            autocast=False)
-            for name, dtype, init in _STATE)))
+            getattr(self, f"_{name}") for name, _, _ in _STATE)))
         top = lower
 
         def factor(segment):

@@ -104,6 +104,12 @@ class _Monitor(xla_callback.FitWatcher):
             if self._stats is not None:
                 (logs["grad_underflow_share"],
                  logs["grad_headroom_log2"]) = self._stats.read()
+            # A model scaled per layer (tf_lossscale.layerwise): each
+            # segment's factor, one more small read.
+            scaling = getattr(self._optimizer, "_gradient_scaling", None)
+            if scaling is not None:
+                logs.update({f"gradient_factor/{name}": value for name, value
+                             in scaling.factor_values().items()})
         return scale, skipped
 
     def on_train_begin(self, logs=None):
