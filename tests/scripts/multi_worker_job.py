@@ -7,7 +7,9 @@ processes (one TensorFlow import each) serves every multi-worker test:
 
 - "keras_3", "tf_keras": the Keras 3 and the tf-keras (`tf_keras` imported
   directly) wrapper in a custom loop (`multi_worker_keras_worker.py`, `JOB`);
-- "loss_scale": a `DynamicLossScale` alone (`multi_worker_loss_scale_worker.py`).
+- "loss_scale": a `DynamicLossScale` alone (`multi_worker_loss_scale_worker.py`);
+- "layerwise": a model scaled per layer in a custom loop
+  (`multi_worker_layerwise_worker.py`).
 
 A scenario that raises is reported as its traceback and ends its worker,
 and a worker that dies or hangs ends the job (its peer would wait in a
@@ -28,6 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from tests.scripts import multi_worker_keras_worker as keras_worker
+from tests.scripts import multi_worker_layerwise_worker as layerwise_worker
 from tests.scripts import multi_worker_loss_scale_worker as loss_scale_worker
 from tests.helpers import reference_oracle
 from tests.helpers import subprocesses
@@ -62,6 +65,8 @@ SCENARIOS = {
     "tf_keras": lambda strategy: keras_worker.run(strategy, JOB, _tf_keras()),
     "loss_scale": lambda strategy: loss_scale_worker.run(
         strategy, loss_scale_worker.make_job()),
+    "layerwise": lambda strategy: layerwise_worker.run(
+        strategy, layerwise_worker.JOB),
 }
 
 
