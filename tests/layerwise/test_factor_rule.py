@@ -48,7 +48,7 @@ class RuleModel:
                 if informed[k]:
                     alignment = F32(2.0 ** np.floor(log2_ratio[k]))
                 elif top_measured:
-                    alignment = alignment * F32(2)
+                    alignment = alignment * F32(2.0**8)
             self.margins[k] = margin
             self.factors[k] = np.clip(alignment * margin, self.low, self.high)
         return top_flag

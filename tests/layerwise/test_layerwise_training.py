@@ -172,7 +172,7 @@ def test_the_monitors_gradient_statistics_measure_each_segment_at_its_scale():
     shares = {}
     for name, model in (("single", single), ("scaled", scaled)):
         history = _fit(model, x, y, [tf_lossscale.LossScaleMonitor(
-            gradient_stats=True)])
+            gradient_stats=True)], epochs=2)
         shares[name] = history.history["grad_underflow_share"][-1]
 
     # low_1 and low_2 hold 112 of the 201 float16 values: all of them

@@ -48,14 +48,19 @@ class GradientScaling(keras.layers.Layer):
 
     def bind(self, factors):
         """Called by the model that holds the factors: `factors(k)` is
-        segment k's factor, a float32 scalar tensor."""
+        segment k's factor, a float32 scalar tensor, or None for 1."""
         object.__setattr__(self, "_factors", factors)
 
     def call(self, inputs):
         factors = self._factors
         if factors is None:
             return tf.identity(inputs)
-        ratio = factors(self.producer) / factors(self.consumer)
+        # The top segment's factor is 1 (None).
+        ratio, below = factors(self.producer), factors(self.consumer)
+        if ratio is None:
+            ratio = 1.0 / below
+        elif below is not None:
+            ratio = ratio / below
         return _rescaled_backward(inputs, ratio)
 
     def compute_output_shape(self, input_shape):

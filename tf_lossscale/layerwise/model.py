@@ -62,8 +62,9 @@ class LayerwiseModel(keras.Model):
 
         def factor(segment):
             if segment == top:
-                return tf.constant(1.0)
-            return tf.convert_to_tensor(self._factor_state.factors)[segment]
+                return None
+            return tf.gather(tf.convert_to_tensor(self._factor_state.factors),
+                             segment)
 
         for layer in self.layers:
             if isinstance(layer, boundary.GradientScaling):
@@ -86,6 +87,7 @@ class LayerwiseModel(keras.Model):
         return self._plan().factor_values()
 
     def _plan(self):
+        """The `step.SegmentedStep` of this model's segments and state."""
         segment_of = {}
         for index, names in enumerate(self._segments):
             for name in names:

@@ -21,7 +21,8 @@ State per lower segment k (vectors, one element a segment): the factor F_k
   gradients (over replicas, the geometric mean of their largest): the factor
   that puts the segment's largest gradient level with the top's, wherever
   the dynamic S puts that. A segment whose gradients were all 0 while the
-  top's were not (flushed to 0, or none) climbs one binade a step; without
+  top's were not (flushed to 0, or none) climbs 8 binades a step (all below
+  float16's smallest subnormal, they cannot overflow there); without
   figures, A_k is kept. A_k = F_k / M_k is not stored.
 * F_k = clip(A_k * M_k, min_factor, max_factor).
 * S's flag: finite, unless the top's gradients were not finite, or the
@@ -45,7 +46,7 @@ from tf_lossscale.loss_scales import dynamic_rule
 MIN_MARGIN = 2.0 ** -24
 _MAX_MARGIN = 1.0
 # A segment without figures (its gradients all 0) climbs this much a step.
-_CLIMB = 2.0
+_CLIMB = 2.0 ** 8
 
 
 class FactorRule(NamedTuple):

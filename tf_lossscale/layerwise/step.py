@@ -70,15 +70,14 @@ class SegmentedStep:
 
 
 class _ScalesOf:
-    """Each segment's factor, read once a step (the top's is 1)."""
+    """Each segment's factor, read once a step (None for the top's, 1)."""
 
     def __init__(self, factors, top):
-        self._factors = factors
-        self._top = top
+        self._factors = tf.unstack(factors, num=top) if top else []
 
     def __call__(self, segment):
-        return (None if segment == self._top
-                else self._factors[segment])
+        return (self._factors[segment] if segment < len(self._factors)
+                else None)
 
 
 def _by_segment(segments):
@@ -103,27 +102,30 @@ def _unscale(grads, variables, scale, segments, scales):
     return unscaled
 
 
-def _largest(grads):
-    """The largest magnitude of `grads` (unscaled, float32; 0 for none).
-    Read only on finite steps: NaN need not win here."""
-    values = [tf.reduce_max(tf.abs(tf.cast(finiteness.dense_values(g),
-                                           tf.float32)))
-              for g in grads if g is not None]
-    return tf.reduce_max(tf.stack(values + [tf.constant(0.0)]))
-
-
 def _figures(grads, segments, top):
     """One replica's figures, a float32 vector: each segment's non-finite
     flag (the top's last); each lower segment's informed flag, then its
-    log2(u_top / u_k) where informed; whether the top's largest is > 0."""
-    groups = _by_segment(segments)
-    flags, largest = [], []
-    for segment in range(top + 1):
-        group = [grads[i] for i in groups.get(segment, [])]
-        flags.append(tf.logical_not(finiteness.all_finite(group)))
-        largest.append(_largest(group))
-    nonfinite = tf.stack(flags)
-    lower, top_largest = tf.stack(largest[:-1]), largest[-1]
+    log2(u_top / u_k) where informed; whether the top's largest is > 0.
+
+    Per gradient one exact finiteness flag (`finiteness.nonfinite_flags`)
+    and one largest magnitude (read only on finite steps: NaN need not win
+    it), then one segment reduction of each.
+    """
+    present = [i for i, g in enumerate(grads) if g is not None]
+    values = [tf.cast(finiteness.dense_values(grads[i]), tf.float32)
+              for i in present]
+    ids = tf.constant([segments[i] for i in present] or [top], tf.int32)
+    flags = finiteness.nonfinite_flags(values) if values else tf.constant(
+        [False])
+    largest = tf.stack([tf.reduce_max(tf.abs(v)) for v in values]
+                       or [tf.constant(0.0)])
+    count = top + 1
+    nonfinite = tf.math.unsorted_segment_max(
+        tf.cast(flags, tf.float32), ids, count) > 0.0
+    # An empty segment's maximum is the lowest float: no figure.
+    largest = tf.maximum(tf.math.unsorted_segment_max(largest, ids, count),
+                         0.0)
+    lower, top_largest = largest[:top], largest[top]
     top_measured = tf.logical_and(
         tf.logical_not(tf.reduce_any(nonfinite)), top_largest > 0.0)
     informed = tf.logical_and(top_measured, lower > 0.0)
