@@ -92,7 +92,7 @@ def _fit(compiled, x, y, steps, points):
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(BATCH)
     start = time.perf_counter()
     history = compiled.fit(dataset, steps_per_epoch=steps // points,
-                           epochs=points, verbose=0)
+                           epochs=points, verbose=0, shuffle=False)
     seconds = time.perf_counter() - start
     optimizer = compiled.optimizer
     wrapped = isinstance(optimizer, tf_lossscale.LossScaleOptimizer)

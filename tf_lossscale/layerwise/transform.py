@@ -172,10 +172,14 @@ def _rebuilt(view, segment_of, top):
         try:
             copy = layer.__class__.from_config(layer.get_config())
         except Exception as err:  # pylint: disable=broad-except
-            raise TypeError(
-                f"could not rebuild layer {layer.name!r} from its config "
-                f"({type(err).__name__}: {err}); its class must be "
-                "serializable (register_keras_serializable)") from err
+            if layer.weights:
+                raise TypeError(
+                    f"could not rebuild layer {layer.name!r} from its config "
+                    f"({type(err).__name__}: {err}); its class must be "
+                    "serializable (register_keras_serializable)") from err
+            # A layer without state (a Lambda, in Keras' safe mode) is
+            # shared with the original model.
+            copy = layer
         originals[id(copy)] = layer
         return copy
 
