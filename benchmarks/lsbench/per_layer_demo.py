@@ -103,20 +103,27 @@ def _fit(compiled, x, y, steps, points):
                if isinstance(compiled, layerwise.LayerwiseModel) else {})
 
 
-def best_single_scale(examples=256):
-    """The top of the loss-scale range `diagnose` advises for the model."""
+def _batches(examples):
     x, y = data()
-    batches = [(x[i:i + BATCH], y[i:i + BATCH])
-               for i in range(0, examples, BATCH)]
-    report = tf_lossscale.diagnose(model("mixed_float16"), batches,
-                                   steps=len(batches))
+    return [(x[i:i + BATCH], y[i:i + BATCH])
+            for i in range(0, examples, BATCH)]
+
+
+def best_single_scale(width=32, examples=256, scales=None):
+    """The top of the loss-scale range `diagnose` advises for the model, and
+    its report (on `examples` examples, at `scales`: by default diagnose's)."""
+    batches = _batches(examples)
+    extra = {} if scales is None else {"scales": scales}
+    report = tf_lossscale.diagnose(model("mixed_float16", width), batches,
+                                   steps=len(batches), **extra)
     return report.loss_scale_range[1], report
 
 
-def runs(steps=300, points=10, width=32):
-    """{name: Run} of the four trainings, and the diagnosis of the model."""
+def runs(steps=300, points=10, width=32, examples=256, scales=None):
+    """{name: Run} of the four trainings, the diagnosis of the model (on
+    `examples` examples, at `scales`), and the trained models."""
     x, y = data()
-    best, report = best_single_scale()
+    best, report = best_single_scale(width, examples, scales)
     fixed = tf_lossscale.FixedLossScale(best, skip_non_finite=True)
     trained = {
         "float32": model("float32", width),
@@ -135,9 +142,7 @@ def underflow_shares(compiled, scale, examples=256):
     """{variable: share of its gradient's nonzero values float16 loses at
     loss scale `scale`}, as `diagnose` measures it (`compiled` as it is:
     for a per-layer model, its factors)."""
-    x, y = data()
-    batches = [(x[i:i + BATCH], y[i:i + BATCH])
-               for i in range(0, examples, BATCH)]
+    batches = _batches(examples)
     report = tf_lossscale.diagnose(compiled, batches, steps=len(batches),
                                    scales=[float(scale)])
     return {row["name"]: row["underflow_share"][0]

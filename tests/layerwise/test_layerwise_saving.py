@@ -12,17 +12,9 @@ from tf_lossscale import layerwise
 from tests.helpers import layerwise_models as models
 from tests.helpers.training import values_of
 
-pytestmark = pytest.mark.usefixtures("keras_isolation")
-
-
-def _trained(batches=3):
-    x, y = models.data(batches=batches + 2, seed=1)
-    scaled = layerwise.scale_per_layer(
-        models.gained_model(), increment_period=2, max_factor=2.0**50)
-    part = batches * models.BATCH
-    scaled.fit(x[:part], y[:part], batch_size=models.BATCH, shuffle=False,
-               verbose=0)
-    return scaled, (x[part:], y[part:])
+# One trained and saved model for the file's tests.
+pytestmark = [pytest.mark.usefixtures("keras_isolation"),
+              pytest.mark.xdist_group("layerwise_saving")]
 
 
 def _state(model):
@@ -36,36 +28,59 @@ def _assert_same(ours, theirs):
         np.testing.assert_array_equal(a, b)
 
 
-def test_keras_file_restores_the_factors_and_training_goes_on_alike(tmp_path):
-    scaled, (x, y) = _trained()
-    path = str(tmp_path / "scaled.keras")
-    scaled.save(path)
+class _Saved:
+    """A model trained, saved (a .keras file, a checkpoint) and trained on."""
 
-    loaded = keras.saving.load_model(path)
+    def __init__(self, folder, batches=3):
+        x, y = models.data(batches=batches + 2, seed=1)
+        model = layerwise.scale_per_layer(
+            models.gained_model(), increment_period=2, max_factor=2.0**50)
+        part = batches * models.BATCH
+        model.fit(x[:part], y[:part], batch_size=models.BATCH,
+                  shuffle=False, verbose=0)
+        self.config = model.get_config()
+        self.keras_file = str(folder / "scaled.keras")
+        model.save(self.keras_file)
+        self.checkpoint = tf.train.Checkpoint(
+            model=model, optimizer=model.optimizer).write(
+                str(folder / "ckpt"))
+        self.state, self.factors = _state(model), model.gradient_factors()
+        self.segments, self.rule = model.segments, model.factor_rule
+        self.rest = (x[part:], y[part:])
+        self.train_on(model)
+        self.state_after = _state(model)
+
+    def train_on(self, model):
+        x, y = self.rest
+        model.fit(x, y, batch_size=models.BATCH, shuffle=False, verbose=0)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return _Saved(tmp_path_factory.mktemp("layerwise_saving"))
+
+
+def test_keras_file_restores_the_factors_and_training_goes_on_alike(saved):
+    loaded = keras.saving.load_model(saved.keras_file)
 
     assert isinstance(loaded, layerwise.LayerwiseModel)
-    assert loaded.segments == scaled.segments
-    assert loaded.factor_rule == scaled.factor_rule
-    _assert_same(_state(loaded), _state(scaled))
-    for model in (scaled, loaded):
-        model.fit(x, y, batch_size=models.BATCH, shuffle=False, verbose=0)
-    _assert_same(_state(loaded), _state(scaled))
-    assert loaded.gradient_factors() == scaled.gradient_factors()
+    assert loaded.segments == saved.segments
+    assert loaded.factor_rule == saved.rule
+    _assert_same(_state(loaded), saved.state)
+    assert loaded.gradient_factors() == saved.factors
+    saved.train_on(loaded)
+    _assert_same(_state(loaded), saved.state_after)
 
 
-def test_checkpoint_restores_the_factors(tmp_path):
-    scaled, _ = _trained()
-    path = tf.train.Checkpoint(model=scaled,
-                               optimizer=scaled.optimizer).write(
-                                   str(tmp_path / "ckpt"))
-    fresh = layerwise.LayerwiseModel.from_config(scaled.get_config())
+def test_checkpoint_restores_the_factors(saved):
+    fresh = layerwise.LayerwiseModel.from_config(saved.config)
     fresh.compile(tf_lossscale.LossScaleOptimizer(models.adam()), "mse")
     fresh.optimizer.build(fresh.trainable_variables)
 
     tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer).read(
-        path).assert_consumed()
+        saved.checkpoint).assert_consumed()
 
-    _assert_same(_state(fresh), _state(scaled))
+    _assert_same(_state(fresh), saved.state)
 
 
 def test_a_file_with_an_impossible_factor_is_refused_the_factors_untouched(

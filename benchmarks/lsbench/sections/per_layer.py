@@ -94,7 +94,8 @@ def _cost(report, settings):
         model = runs[name][0]
         model.optimizer.build(model.trainable_variables)
         ops = sum(op_counts.op_types(_train_step(model, x, y, False)).values())
-        hlo = _hlo_instructions(
+        # Quick runs skip the XLA compilation (tests/layerwise runs XLA).
+        hlo = "-" if settings.quick else _hlo_instructions(
             _train_step(model, x, y, True).experimental_get_compiler_ir()(
                 stage="optimized_hlo"))
         counts[name] = (ops, hlo)
@@ -109,16 +110,20 @@ def _cost(report, settings):
     single_ops, single_hlo = counts[_SINGLE]
     ops, hlo = counts[_LAYERWISE]
     table.add("per-layer / single", f"{ops / single_ops:.2f}",
-              f"{hlo / single_hlo:.2f}",
+              "-" if settings.quick else f"{hlo / single_hlo:.2f}",
               f"x{ratios.cpu[_LAYERWISE] / ratios.cpu[_SINGLE]:.3f}")
     report.show(table)
     return {"segments": segments, "counts": counts, "cpu": ratios.cpu}
 
 
 def _demonstration(report, settings):
-    steps, points = (20, 2) if settings.quick else (300, 10)
-    width = 8 if settings.quick else 32
-    results, diagnosis, trained = per_layer_demo.runs(steps, points, width)
+    if settings.quick:  # Every path once, on one batch.
+        steps, points, width, examples = 4, 2, 8, per_layer_demo.BATCH
+        scales = [2.0 ** k for k in range(0, 33, 8)]
+    else:
+        steps, points, width, examples, scales = 300, 10, 32, 256, None
+    results, diagnosis, trained = per_layer_demo.runs(
+        steps, points, width, examples, scales)
     report.line(f"  demonstration: {steps} steps of batch "
                 f"{per_layer_demo.BATCH}, loss averaged over {points} parts; "
                 f"the diagnosis advises loss scales "
@@ -136,8 +141,8 @@ def _demonstration(report, settings):
     report.line("  factors at the end: " + ", ".join(
         f"{name} 2^{np.log2(f):.0f}" for name, f in layer_run.factors.items()))
     # Each run's model as it ended, at the scale it ended with.
-    measured = {name: per_layer_demo.underflow_shares(trained[name],
-                                                      results[name].scale)
+    measured = {name: per_layer_demo.underflow_shares(
+        trained[name], results[name].scale, examples)
                 for name in results if results[name].scale is not None}
     shares = report.table(
         f"{TITLE}: underflow share of each variable's gradient", [
