@@ -218,3 +218,18 @@ def test_models_it_cannot_rebuild_are_refused_by_name(make, error, message):
 def test_bad_segments_are_refused_by_name(segments, error, message):
     with pytest.raises(error, match=message):
         layerwise.scale_per_layer(_sequential(), segments=segments)
+
+
+def test_a_tf_keras_model_is_refused_by_name(tf_keras_interpreter):
+    printed = tf_keras_interpreter.run(
+        "import tf_keras\n"
+        "from tf_lossscale import layerwise\n"
+        "model = tf_keras.Sequential(\n"
+        "    [tf_keras.Input((2,)), tf_keras.layers.Dense(1)], name='old')\n"
+        "model.compile('sgd', 'mse')\n"
+        "try:\n"
+        "    layerwise.scale_per_layer(model)\n"
+        "except TypeError as err:\n"
+        "    print(err)\n")
+    assert printed == ["model 'old' is a tf-keras model: per-layer scaling "
+                       "rebuilds Keras 3 functional and Sequential models"]

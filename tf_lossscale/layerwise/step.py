@@ -17,9 +17,7 @@ import tensorflow as tf
 from tf_lossscale.layerwise import rule as rule_lib
 from tf_lossscale.loss_scales import xla_record
 from tf_lossscale.ops import finiteness
-from tf_lossscale.ops import float16
 from tf_lossscale.ops import replicas
-from tf_lossscale.ops import unscaling
 from tf_lossscale.step import loss_scaled_step
 
 
