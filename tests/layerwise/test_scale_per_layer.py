@@ -28,14 +28,25 @@ def _sequential():
     return model
 
 
+def _built_under_the_global_policy():
+    # As Keras' mixed-precision guide does it; the policy is float32 again
+    # when the model is scaled: the nested block must keep mixed_float16.
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = models.branched_model(policy=None)
+    keras.mixed_precision.set_global_policy("float32")
+    return model
+
+
 def _boundaries(model):
     return [(layer.producer, layer.consumer) for layer in model.layers
             if isinstance(layer, layerwise.GradientScaling)]
 
 
-@pytest.mark.parametrize("build", [_sequential, models.gained_model,
-                                   models.branched_model],
-                         ids=["sequential", "gained", "branched"])
+@pytest.mark.parametrize("build", [
+    _sequential, models.gained_model, models.branched_model,
+    _built_under_the_global_policy],
+                         ids=["sequential", "gained", "branched",
+                              "under_the_global_policy"])
 def test_scaled_model_computes_what_the_original_does_from_its_weights(build):
     model = build()
     before = values_of(model.weights)
@@ -45,7 +56,7 @@ def test_scaled_model_computes_what_the_original_does_from_its_weights(build):
 
     assert isinstance(scaled, layerwise.LayerwiseModel)
     np.testing.assert_array_equal(scaled(x), model(x))
-    for layer in model.layers:
+    for layer in model.layers[1:]:  # Not the input.
         copy = scaled.get_layer(layer.name)
         assert copy is not layer
         assert copy.dtype_policy.name == layer.dtype_policy.name

@@ -7,6 +7,8 @@ segment into another, and after every output of a segment below the last;
 the clone gets the model's weights and compile settings.
 """
 
+import contextlib
+
 import keras
 
 from tf_lossscale._internal import checks
@@ -68,7 +70,8 @@ def scale_per_layer(model, segments="layers", *, increment_period=2000,
     count = max(segment_of.values()) + 1
     names = [[u.name for u in units if segment_of[u.name] == k]
              for k in range(count)]
-    with model.distribute_strategy.scope():
+    # Under the model's own policy, as it was built.
+    with model.distribute_strategy.scope(), _global_policy(model.dtype_policy):
         scaled = _rebuilt(view, segment_of, count - 1)
         scaled._set_up_scaling(names, rule)  # pylint: disable=protected-access
         for unit in units:
@@ -155,6 +158,26 @@ def _segment_layers(units, segments):
     return segment_of
 
 
+@contextlib.contextmanager
+def _global_policy(policy):
+    previous = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+
+
+def _from_config(layer):
+    """A new layer from `layer`'s config. A model's config holds no dtype
+    policy of its own: a nested one is rebuilt under its own as the global
+    one, as it was built (its layers' configs hold theirs)."""
+    if not isinstance(layer, keras.Model):
+        return layer.__class__.from_config(layer.get_config())
+    with _global_policy(layer.dtype_policy):
+        return layer.__class__.from_config(layer.get_config())
+
+
 def _wider(producer_dtype, consumer_dtype):
     """The dtype a boundary computes in: the wider of its two sides."""
     return max((producer_dtype, consumer_dtype),
@@ -170,7 +193,7 @@ def _rebuilt(view, segment_of, top):
 
     def clone(layer):
         try:
-            copy = layer.__class__.from_config(layer.get_config())
+            copy = _from_config(layer)
         except Exception as err:  # pylint: disable=broad-except
             if layer.weights:
                 raise TypeError(
