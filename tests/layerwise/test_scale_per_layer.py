@@ -20,6 +20,7 @@ def _sequential():
     model = keras.Sequential([
         keras.Input((models.FEATURES,)),
         keras.layers.Dense(5, dtype="mixed_float16", name="one"),
+        keras.layers.BatchNormalization(dtype="mixed_float16", name="norm"),
         keras.layers.Activation("relu", dtype="mixed_float16", name="act"),
         keras.layers.Dense(5, dtype="mixed_float16", name="two"),
         keras.layers.Dense(1, dtype="float32", name="three")])
@@ -72,11 +73,12 @@ def test_segments_start_at_each_weighted_layer_or_where_asked():
     halves = layerwise.scale_per_layer(model, segments=2)
     named = layerwise.scale_per_layer(model, segments=["three"])
 
-    # A layer without weights joins the segment before it.
-    assert by_layer.segments == [["one", "act"], ["two"], ["three"]]
+    # A normalization, and a layer without weights, join the segment
+    # before them.
+    assert by_layer.segments == [["one", "norm", "act"], ["two"], ["three"]]
     assert _boundaries(by_layer) == [(0, 1), (1, 2)]
-    assert halves.segments == [["one", "act"], ["two", "three"]]
-    assert named.segments == [["one", "act", "two"], ["three"]]
+    assert halves.segments == [["one", "norm", "act"], ["two", "three"]]
+    assert named.segments == [["one", "norm", "act", "two"], ["three"]]
     assert _boundaries(named) == [(0, 1)]
 
 

@@ -38,10 +38,11 @@ def scale_per_layer(model, segments="layers", *, increment_period=2000,
         `keras.Input`).
       segments: where segments start, among the model's top-level layers in
         the order it runs them: "layers" (the default) starts one at every
-        layer with trainable weights; an int n cuts those layers into n
-        consecutive groups of about the same count; a list of layer names
-        starts one at each of them. Layers without weights join the segment
-        before them; a nested model is one layer.
+        layer with trainable weights but a normalization (batch, layer or
+        group); an int n cuts those layers into n consecutive groups of
+        about the same count; a list of layer names starts one at each of
+        them. The other layers join the segment before them; a nested model
+        is one layer.
       increment_period: finite steps after which a segment's margin doubles
         (up to 1), a positive int.
       min_factor, max_factor: the bounds of every factor, numbers > 0 (both
@@ -120,9 +121,18 @@ def _functional_view(model):
     return model
 
 
+# Layers that start no segment: a normalization's backward pass can make its
+# input's gradient much larger than its weights' and the layer before it
+# ones; on a boundary between them an overflow there would be blamed on the
+# segment below (docs/guides/per-layer-scaling.md, "Limits").
+_JOINING = (keras.layers.BatchNormalization, keras.layers.LayerNormalization,
+            keras.layers.GroupNormalization)
+
+
 def _segment_layers(units, segments):
     """`{layer name: segment}` for the top-level layers `units`."""
-    weighted = [u.name for u in units if u.trainable_weights]
+    weighted = [u.name for u in units
+                if u.trainable_weights and not isinstance(u, _JOINING)]
     if isinstance(segments, str) and segments == "layers":
         starts = weighted[1:]
     elif isinstance(segments, int) and not isinstance(segments, bool):
