@@ -162,7 +162,9 @@ class _Monitor(xla_callback.FitWatcher):
 
 class LossScaleMonitor(_Monitor, xla_callback.EitherKeras,
                        keras.callbacks.Callback):
-    """Adds `loss_scale` and `skipped_steps` to every batch's and epoch's logs.
+    """Adds `loss_scale` and `skipped_steps` to every batch's and epoch's logs
+    (and, for a model scaled per layer, each segment's factor as
+    `gradient_factor/<its first layer>`: `tf_lossscale.layerwise`).
 
     List it before the callbacks that should see the two values (the progress
     bar and `History` always come after it). It costs two small reads from the
