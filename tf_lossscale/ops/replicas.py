@@ -145,7 +145,6 @@ def any_replica_true(flags_fn, *args):
     return _replica_sum(strategy, flags_fn, args) > 0
 
 
-
 def sum_over_replicas(values_fn, *args):
     """Returns `values_fn(*args)` (a float32 tensor of static shape) summed
     over every replica of every worker, with one all-reduce.
