@@ -18,7 +18,9 @@ Public API:
   needs (`fit`'s callbacks; a custom step);
 * `diagnose`, `Float16Diagnosis`: why a float16 run gives NaN or does not
   learn, measured layer by layer on a few batches, with the loss scales and
-  the float32 layers that fix it.
+  the float32 layers that fix it;
+* `layerwise.scale_per_layer`: per-layer gradient scaling, for models no
+  single loss scale fits.
 """
 
 # TensorFlow is not a pip requirement of this package (setup.py says why):
@@ -46,6 +48,7 @@ if _tf_keras_now:
 _versions.warn_untested(_newer_than_tested)
 
 from tf_lossscale import compat
+from tf_lossscale import layerwise
 from tf_lossscale._internal.checks import DoubleScalingError
 from tf_lossscale._internal.checks import ReplicaContextError
 from tf_lossscale._internal.checks import SharedLossScaleWarning
@@ -73,6 +76,6 @@ __all__ = [
     "Float16Diagnosis", "LossScale", "LossScaleGroup", "LossScaleMonitor",
     "LossScaleOptimizer", "ReplicaContextError", "SharedLossScaleWarning",
     "UntestedReleaseWarning",
-    "XlaChecks", "compat", "deserialize", "diagnose", "get", "serialize",
-    "with_xla_checks"
+    "XlaChecks", "compat", "deserialize", "diagnose", "get", "layerwise",
+    "serialize", "with_xla_checks"
 ]

@@ -12,7 +12,9 @@ processes (one TensorFlow import each) serves every multi-worker test:
 - "keras_3_group": two Keras 3 optimizers in one `LossScaleGroup`, stepped
   in a `group.iteration()` block: one agreement across the workers for both
   (`run_group`; the steps of a group outside a block agree as a single
-  optimizer's do, and `skip="together"` differs only on the host).
+  optimizer's do, and `skip="together"` differs only on the host);
+- "layerwise": a model scaled per layer in a custom loop
+  (`multi_worker_layerwise_worker.py`).
 
 A scenario that raises is reported as its traceback and ends its worker,
 and a worker that dies or hangs ends the job (its peer would wait in a
@@ -33,6 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 from tests.scripts import multi_worker_keras_worker as keras_worker
+from tests.scripts import multi_worker_layerwise_worker as layerwise_worker
 from tests.scripts import multi_worker_loss_scale_worker as loss_scale_worker
 from tests.helpers import reference_oracle
 from tests.helpers import subprocesses
@@ -69,6 +72,8 @@ SCENARIOS = {
         strategy, loss_scale_worker.make_job()),
     "keras_3_group": lambda strategy: keras_worker.run_group(
         strategy, JOB, _keras_3()),
+    "layerwise": lambda strategy: layerwise_worker.run(
+        strategy, layerwise_worker.JOB),
 }
 
 

@@ -112,6 +112,11 @@ def test_no_other_module_reaches_into_other_libraries():
     own_protected_access = {
         "loss_scale.py": "loss_scale._update_from_all_finite",
         "dynamic_loss_scale.py": "getattr(self._",
+        # tf_lossscale.layerwise: its model's set-up, and the loss scale's
+        # update from the flag.
+        "model.py": "model._set_up_scaling",
+        "transform.py": "scaled._set_up_scaling",
+        "step.py": "self._loss_scale._update_from_all_finite",
     }
     reaches = []
     for path in sorted(_PACKAGE.rglob("*.py")):

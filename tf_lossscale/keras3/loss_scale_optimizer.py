@@ -163,6 +163,10 @@ class LossScaleOptimizer(saving.SavedState,
 
     # The step's replaceable parts; the benchmark's ablations swap one.
     _step_parts = loss_scaled_step.FULL_STEP
+    # Set by a model scaled per layer when compiled with this optimizer
+    # (`tf_lossscale.layerwise`): its steps then scale, unscale and check
+    # each segment on its own. Not state: never saved.
+    _gradient_scaling = None
 
     def apply_gradients(self, grads_and_vars):
         self.check_unscaled()
@@ -190,14 +194,30 @@ class LossScaleOptimizer(saving.SavedState,
         if not self.built:
             with loss_scaled_step.building_outside_traces():
                 self.build(trainable_variables)
-        parts = self._step_parts
+        loss_scale, parts = self._loss_scale, self._step_parts
+        stats = self._stats_for(variables)
+        if self._gradient_scaling is not None:
+            loss_scale, parts, stats = self._gradient_scaling.step(
+                loss_scale, variables, parts, stats)
         if not self._caller_unscales:
             # Read before the update below can change the scale.
             grads = parts.unscale(grads, variables, self._loss_scale())
         loss_scaled_step.apply_or_skip(
-            self._loss_scale, grads, trainable_variables,
+            loss_scale, grads, trainable_variables,
             self.inner_optimizer.apply, self._skip_record,
-            stats=self._stats_for(variables), parts=parts)
+            stats=stats, parts=parts)
+
+    def get_unscaled_gradients(self, grads):
+        """TF 2.x protocol: returns `grads / scale`; refused (ValueError)
+        for a model scaled per layer, whose gradients each have their
+        segment's scale: use `scale_loss` and `apply_gradients` instead."""
+        if self._gradient_scaling is not None:
+            raise ValueError(
+                "get_unscaled_gradients cannot unscale the gradients of a "
+                "model scaled per layer (each has its segment's scale): call "
+                "optimizer.scale_loss(loss), then apply_gradients with the "
+                "scaled gradients, which unscales each by its own")
+        return super().get_unscaled_gradients(grads)
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise NotImplementedError(

@@ -131,6 +131,14 @@ class _Monitor(xla_callback.FitWatcher):
             if self._stats is not None:
                 (logs["grad_underflow_share"],
                  logs["grad_headroom_log2"]) = self._stats.read()
+            # A model scaled per layer (tf_lossscale.layerwise): each
+            # segment's factor, one more small read.
+            for optimizer in self._watched.values():
+                scaling = getattr(optimizer, "_gradient_scaling", None)
+                if scaling is not None:
+                    logs.update({f"gradient_factor/{name}": value
+                                 for name, value
+                                 in scaling.factor_values().items()})
         return scales, skipped
 
     def on_train_begin(self, logs=None):
@@ -190,7 +198,9 @@ class _Monitor(xla_callback.FitWatcher):
 
 class LossScaleMonitor(_Monitor, xla_callback.EitherKeras,
                        keras.callbacks.Callback):
-    """Adds `loss_scale` and `skipped_steps` to every batch's and epoch's logs.
+    """Adds `loss_scale` and `skipped_steps` to every batch's and epoch's logs
+    (and, for a model scaled per layer, each segment's factor as
+    `gradient_factor/<its first layer>`: `tf_lossscale.layerwise`).
 
     List it before the callbacks that should see the two values (the progress
     bar and `History` always come after it). It costs two small reads from the
