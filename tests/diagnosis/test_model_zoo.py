@@ -6,11 +6,14 @@ feed-forward Sequential, and KerasHub's BertTextClassifier, built as users
 build them (the global policy mixed_float16, left set). A model is healthy
 when float16 with the wrapper trains like float32 from the same weights
 (`model_zoo.trains_like_float32`); the tests check that premise too, so a
-diagnosis is never judged on a model whose health is only assumed.
+diagnosis is never judged on a model whose health is only assumed (a
+planted overflow by its non-finite forward pass, which makes every step
+skip, at a fraction of a training run's cost).
 
 * A healthy model gets no float32 advice, and `fix` returns a model whose
   layers, nested ones included, still compute in float16 and that trains
-  like float32.
+  like float32 (with the dtypes unchanged, that run is also the premise:
+  the model is healthy).
 * A planted fault (inputs far beyond float16's range, huge embeddings before
   attention, a loss scale stuck at 1 while gradients underflow) breaks
   float16 training; the report names it (the layer, or the scale) and `fix`
@@ -186,13 +189,6 @@ def _fixed_run(name, fault):
 
 
 @pytest.mark.parametrize("name", HEALTHY)
-def test_healthy_model_trains_like_float32_in_float16(name):
-    _needs(name)
-    assert model_zoo.trains_like_float32(
-        _float16_run(name, None), _reference(name, None)) == []
-
-
-@pytest.mark.parametrize("name", HEALTHY)
 def test_healthy_model_gets_no_float32_advice(name):
     _needs(name)
     report = _report(name, None)
@@ -224,8 +220,16 @@ FAULTY_IDS = ["-".join(case) for case in FAULTY]
 @pytest.mark.parametrize("name,fault", FAULTY, ids=FAULTY_IDS)
 def test_planted_fault_breaks_float16_training(name, fault):
     _needs(name)
-    assert model_zoo.trains_like_float32(
-        _float16_run(name, fault), _reference(name, fault)) != []
+    if fault == model_zoo.STUCK_SCALE:
+        assert model_zoo.trains_like_float32(
+            _float16_run(name, fault), _reference(name, fault)) != []
+    else:
+        # A forward pass that overflows: every step would skip (measured:
+        # all of them, the scale down to 1).
+        case = _case(name, fault)
+        x, _ = case["data"][0]
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        assert not np.isfinite(case["model"](x, training=False)).all()
 
 
 @pytest.mark.parametrize("name,fault", FAULTY, ids=FAULTY_IDS)
