@@ -433,16 +433,21 @@ def float32_twin(zoo_model, keras, weights, fault=None, seed=0):
     return model
 
 
-# The judge's tolerances, chosen from the zoo's measured runs
-# (tests/diagnosis/test_model_zoo.py's module docstring has the figures).
+# The judge's tolerances, from the zoo's runs (32 steps, ResNet50 16, TF 2.21
+# / Keras 3.15 and TF 2.16 / Keras 3.10, 2026-11-28), as the difference of
+# the last 8 losses' means over the float32 run's first loss: float16 with
+# the wrapper against float32 from the same weights, 0.3% to 2.7%; float32
+# against float32 from other seeds, up to 14%; all-float32 models from
+# today's `fix` (another loss scale, skips made up), up to 12%; float16
+# runs that do not learn (scale stuck at 1 on the tiny loss), 51% to 95%.
+# Overflowing faults skip every step.
 LAST_LOSSES = 8
-"""The judge compares the mean of this many last losses."""
+"""The judge compares the mean of this many last applied losses."""
 LOSS_TOLERANCE = 0.25
-"""... relative to the float32 run's first loss: the float16 run's mean of
-the last losses within this share of it from the float32 run's."""
+"""... relative to the float32 run's first loss."""
 MAX_SKIPPED = 12
-"""Skipped steps a dynamic loss scale may spend calibrating: from its
-default 2**15 down to 2**3."""
+"""Skipped steps a dynamic loss scale may spend calibrating (2**15 down to
+2**3); `train` makes them up."""
 
 
 def trains_like_float32(run, reference):
