@@ -55,7 +55,6 @@ and why are in its docstring.
 
 import dataclasses
 import functools
-import math
 
 import numpy as np
 
