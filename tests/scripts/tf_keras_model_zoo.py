@@ -11,6 +11,7 @@ builds with tf_keras (tf_keras.applications for MobileNetV2).
 
 import traceback
 
+import numpy as np
 import tensorflow as tf
 
 import tf_lossscale
@@ -46,6 +47,8 @@ def _check(name, fault, steps, diagnose_arguments):
     if fault is None:
         assert report.keep_in_float32 == [], report.advice()
     else:
+        # The premise: the fault makes the float16 forward pass overflow.
+        assert not np.isfinite(model(data[0][0], training=False)).all()
         culprit = CULPRITS[name, fault]
         assert culprit in report.keep_in_float32, report.advice()
     fixed = report.fix(model)

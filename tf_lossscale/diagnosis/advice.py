@@ -33,6 +33,16 @@ def float32_reasons(figures, top, tolerance):
         " float16's 65504)")) for row in figures["layers"]
                if row["activation_headroom_log2"] is not None
                and row["activation_headroom_log2"] < ACTIVATION_MARGIN_LOG2]
+    # The first layer whose float16 outputs are not finite, where float32
+    # holds them: it overflows inside (attention scores, a variance).
+    first = next((row for row in figures["layers"]
+                  if row["nonfinite_batches"]), None)
+    if first is not None and first["compute_dtype"] == "float16":
+        reasons.append((first["name"], (
+            "its float16 outputs are not finite where float32's reach "
+            f"{text.number(first['activation_max_float32'])}: it overflows "
+            "inside (a sum or product over many values, such as attention "
+            "scores)")))
     # The advised top, or the lowest scale when even that overflows.
     scale = figures["scales"][0 if top is None else top]
     if top is not None:
