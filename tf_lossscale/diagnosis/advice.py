@@ -24,9 +24,10 @@ def float16_gradients(figures):
             if row["compute_dtype"] == "float16" and row["gradient_max"]]
 
 
-def float32_reasons(figures, top, tolerance):
+def float32_reasons(figures, top, tolerance, underflow=True):
     """{layer name: why it should compute in float32}: each layer's first
-    reason."""
+    reason; without `underflow`, not for gradients that underflow at the
+    top of the range (which scaling each layer's gradients can keep)."""
     reasons = [(row["name"], (
         f"its outputs reach {text.number(row['activation_max_float32'])} "
         f"({'above' if row['activation_headroom_log2'] < 0 else 'close to'}"
@@ -45,7 +46,7 @@ def float32_reasons(figures, top, tolerance):
             "scores)")))
     # The advised top, or the lowest scale when even that overflows.
     scale = figures["scales"][0 if top is None else top]
-    if top is not None:
+    if top is not None and underflow:
         reasons += [(row["layer"], (
             f"float16 loses {text.share(row['underflow_share'][top])} of "
             f"{row['name']}'s gradient values to underflow even at "
@@ -112,6 +113,14 @@ def sentences(figures, reasons):
             f"layer's float32 gradient norm, for: {listed}.")
     lines += [f"Keep layer {name!r} in float32 (dtype=\"float32\"): "
               f"{reason}." for name, reason in reasons.items()]
+    scaled = [name for name in reasons
+              if name in figures["per_layer_scalable"]]
+    if scaled:
+        lines.append(
+            f"Or keep {', '.join(map(repr, scaled))} in float16 and give "
+            "their gradients a scale of their own: "
+            "report.fix(model, per_layer=True) (tf_lossscale.layerwise, "
+            "Keras 3).")
     # For each float16 layer: whether the advice keeps it in float32.
     kept = [row["name"] in figures["keep_in_float32"]
             for row in figures["layers"]

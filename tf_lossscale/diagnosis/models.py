@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from tf_lossscale._internal import checks
 from tf_lossscale._internal import private_api
+from tf_lossscale.layerwise import boundary
 from tf_lossscale.step import optimizer_protocol
 
 _FLOAT16_POLICIES = ("mixed_float16", "float16")
@@ -46,13 +47,16 @@ def _is_model(layer, keras):
 
 def leaf_layers(model):
     """`[(path, layer)]`: the layers of `model` and of the models nested in
-    it (not the layers inside a layer), in the model's order; no inputs."""
+    it (not the layers inside a layer), in the model's order; no inputs, no
+    per-layer scaling boundaries."""
     keras = keras_module(model)
     leaves = []
 
     def walk(container, prefix):
         for layer in container.layers:
-            if type(layer).__name__ == "InputLayer":
+            # Per-layer scaling's boundaries compute nothing forward.
+            if type(layer).__name__ == "InputLayer" or isinstance(
+                    layer, boundary.GradientScaling):
                 continue
             path = prefix + layer.name
             if _is_model(layer, keras):

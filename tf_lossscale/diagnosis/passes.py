@@ -355,8 +355,10 @@ class Passes:
                 "underflow_share": [
                     float(lost) / count if count else 0.0
                     for lost in f16["underflow"][:, index]] if shown else None,
+                # At most all of it: where float16 rounds a tiny value up to
+                # the smallest subnormal, the difference exceeds the value.
                 "underflow_norm_share": [
-                    _root_share(lost, total)
+                    min(1.0, _root_share(lost, total))
                     for lost in f16["lost_squares"][:, index]
                 ] if shown else None,
                 "nonfinite_batches": [

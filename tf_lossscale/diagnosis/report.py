@@ -4,6 +4,8 @@ loss scale, a fixed model, and three views (text, a dict, a plot)."""
 import copy
 import warnings
 
+from tf_lossscale import layerwise
+from tf_lossscale._internal import checks
 from tf_lossscale.diagnosis import advice as advice_lib
 from tf_lossscale.diagnosis import models
 from tf_lossscale.diagnosis import text
@@ -20,7 +22,9 @@ class Float16Diagnosis:
     plain Python values, `plot(path)` a figure; `loss_scale()` a loss scale
     for the advised range and `fix(model)` the model rebuilt to train.
     Attributes: `loss_scale_range` (`(lowest, highest)` advised, or None),
-    `keep_in_float32` (layer names), `first_nonfinite_layer` (a layer name
+    `keep_in_float32` (layer names), `keep_in_float32_per_layer` (those of
+    them that need float32 even with gradients scaled per layer: the ones
+    that overflow), `first_nonfinite_layer` (a layer name
     or None), `underflowing_variables` (variable names). Layers are named
     by their paths (`"ffn/dense_1"` inside a nested model). For `fix`, it
     keeps what `diagnose` ran with: references to its batches, and its loss.
@@ -60,6 +64,8 @@ class Float16Diagnosis:
             and row["underflow_cost"][0] > tolerance]
         self._reasons = advice_lib.float32_reasons(figures, top, tolerance)
         self.keep_in_float32 = list(self._reasons)
+        self.keep_in_float32_per_layer = list(advice_lib.float32_reasons(
+            figures, top, tolerance, underflow=False))
 
     def loss_scale(self):
         """A new `DynamicLossScale` for the advised range `(low, high)`:
@@ -72,11 +78,15 @@ class Float16Diagnosis:
         return dynamic_loss_scale.DynamicLossScale(
             initial_loss_scale=max(low, high / 2), min_loss_scale=low)
 
-    def fix(self, model):
+    def fix(self, model, per_layer=False):
         """A new compiled model: `model` (the one diagnosed, compiled)
         rebuilt with its weights and the layers float16 cannot hold in
         float32, and more of them until the same batches' forward pass is
-        finite; every other layer keeps its dtype policy. Every layer of the
+        finite; every other layer keeps its dtype policy. With `per_layer`,
+        layers advised into float32 only for gradients that underflow stay
+        in float16, and the model's gradients are scaled per layer instead
+        (`tf_lossscale.layerwise.scale_per_layer`, Keras 3 only): a
+        `LayerwiseModel`. Every layer of the
         new model is checked to compute as intended (nested ones, and those
         a layer makes itself, included). Compiled as `model` was, with a
         `LossScaleOptimizer` around a new inner optimizer from the
@@ -92,12 +102,14 @@ class Float16Diagnosis:
         Raises:
           TypeError: `model` is not a functional or Sequential model, or
             cannot be rebuilt from its config, or a layer cannot be made to
-            compute in float32 in the copy.
+            compute in float32 in the copy; with `per_layer`, a model
+            `scale_per_layer` does not take (tf-keras).
           ValueError: `model` is not the model diagnosed, or not compiled;
             no choice of float32 layers makes the forward pass finite (NaN
             or Inf in the inputs, or in a float32 layer's outputs).
         """
         models.check_model(model, "fix")
+        per_layer = checks.boolean("per_layer", per_layer)
         names = [path for path, _ in models.leaf_layers(model)]
         if names != self._layer_paths:
             raise ValueError(
@@ -113,7 +125,8 @@ class Float16Diagnosis:
                 f"{self._figures['batches']} diagnosed batches hold NaN or "
                 "Inf in their inputs: no choice of float32 layers makes the "
                 "forward pass finite; fix the data")
-        keep = set(self.keep_in_float32)
+        keep = set(self.keep_in_float32_per_layer if per_layer
+                   else self.keep_in_float32)
         while True:
             fixed = models.copy(model, keep)
             # With no dtype changed, the copy computes as the model did:
@@ -130,7 +143,8 @@ class Float16Diagnosis:
                     "computes in float32 (NaN or Inf in its weights, or "
                     "values beyond float32's range): no choice of float32 "
                     "layers makes the forward pass finite")
-            named = set(checked.keep_in_float32) | ({first} - {None})
+            named = set(checked.keep_in_float32_per_layer if per_layer
+                        else checked.keep_in_float32) | ({first} - {None})
             if named <= keep:
                 break
             keep |= named
@@ -148,6 +162,8 @@ class Float16Diagnosis:
                 loss=model.loss or self._arguments["loss"],
                 **models.keras_module(model).saving.deserialize_keras_object(
                     settings))
+        if per_layer:
+            return layerwise.scale_per_layer(fixed)
         return fixed
 
     @staticmethod
@@ -195,6 +211,9 @@ class Float16Diagnosis:
             loss_scale_range=(None if self.loss_scale_range is None
                               else list(self.loss_scale_range)),
             keep_in_float32=list(self.keep_in_float32),
+            per_layer_scalable=[
+                name for name in self.keep_in_float32
+                if name not in self.keep_in_float32_per_layer],
             underflowing_variables=list(self.underflowing_variables))
         figures["advice"] = advice_lib.sentences(figures, self._reasons)
         return figures
