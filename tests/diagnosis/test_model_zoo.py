@@ -14,6 +14,8 @@ skip, at a fraction of a training run's cost).
   layers, nested ones included, still compute in float16 and that trains
   like float32 (with the dtypes unchanged, that run is also the premise:
   the model is healthy).
+* A healthy model scaled per layer (`tf_lossscale.layerwise`) trains like
+  float32 as well: per-layer scaling costs the zoo nothing.
 * A planted fault (inputs far beyond float16's range, huge embeddings before
   attention, a loss scale stuck at 1 while gradients underflow) breaks
   float16 training; the report names it (the layer, or the scale) and `fix`
@@ -226,6 +228,21 @@ def test_fix_of_a_healthy_model_stays_float16_and_trains(name):
     assert "float16" in _computing_layers(fixed).values()
     assert model_zoo.trains_like_float32(
         _fixed_run(name, None), _reference(name, None)) == []
+
+
+@functools.cache
+def _per_layer_run(name):
+    """The model as built, scaled per layer (`scale_per_layer`), trained."""
+    model = model_zoo.ZOO[name].build(keras, None)
+    scaled = tf_lossscale.layerwise.scale_per_layer(model)
+    return _timed((name, None, "per-layer run"), model_zoo.train, scaled,
+                  _case(name, None)["data"], STEPS)
+
+
+@pytest.mark.parametrize("name", _cases("mobilenet_v2", "transformer"))
+def test_a_healthy_model_scaled_per_layer_trains_like_float32(name):
+    assert model_zoo.trains_like_float32(
+        _per_layer_run(name), _reference(name, None)) == []
 
 
 # Planted faults.

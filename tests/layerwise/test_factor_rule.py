@@ -35,10 +35,14 @@ class RuleModel:
             if k >= blamed:  # Learned something this step.
                 if k == blamed:
                     at_floor = margin <= F32(rule_lib.MIN_MARGIN)
-                    if at_floor or self.factors[k] <= self.low:
+                    if at_floor or self.factors[k] <= max(self.low, F32(1)):
+                        # Not scaled above the top, or at its floor: S
+                        # backs off, the segment's margin is kept.
                         top_flag = False
-                    margin = max(margin / F32(2), F32(rule_lib.MIN_MARGIN))
-                    self.good[k] = 0
+                    else:
+                        margin = max(margin / F32(2),
+                                     F32(rule_lib.MIN_MARGIN))
+                        self.good[k] = 0
                 elif self.good[k] + 1 >= self.period:
                     margin = min(margin * F32(2), F32(1))
                     self.good[k] = 0
@@ -82,11 +86,17 @@ _SCENARIOS = {
         (_OK, (True, True), True, (3.0, 2.0)),
     ],
     "margins_grow_back_after_the_period": [
+        (_OK, (True, True), True, (4.0, 4.0)),
         ((False, True, False), (False, False), False, (0.0, 0.0)),
         ((False, True, False), (False, False), False, (0.0, 0.0)),
     ] + [(_OK, (True, True), True, (4.0, 4.0))] * 8,
-    "a_segment_at_its_floor_hands_the_back_off_to_s": [
-        ((False, True, False), (False, False), False, (0.0, 0.0))] * 30,
+    # Segment 1 starts 2**12 above the top: 12 halvings of its margin bring
+    # it level, then S backs off for it.
+    "a_segment_not_above_the_top_hands_the_back_off_to_s": [
+        (_OK, (True, True), True, (20.0, 12.0))] + [
+            ((False, True, False), (False, False), False, (0.0, 0.0))] * 30,
+    "a_segment_at_scale_1_hands_the_back_off_to_s_at_once": [
+        ((False, True, False), (False, False), False, (0.0, 0.0))] * 3,
 }
 
 

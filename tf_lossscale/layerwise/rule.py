@@ -26,8 +26,10 @@ State per lower segment k (vectors, one element a segment): the factor F_k
   figures, A_k is kept. A_k = F_k / M_k is not stored.
 * F_k = clip(A_k * M_k, min_factor, max_factor).
 * S's flag: finite, unless the top's gradients were not finite, or the
-  blamed segment can back off no further (its margin or factor at its
-  floor): then S backs off, under S's own failure policy.
+  blamed segment is not scaled above the top (F_k <= 1: S itself is too
+  high for it) or can back off no further (its margin or factor at its
+  floor): then S backs off, under S's own failure policy, and the blamed
+  segment's margin is kept.
 
 With `min_factor == max_factor == 1` every F_k stays 1 and S's flag is the
 step's all-finite flag: the single-scale rule, bit for bit. Why statistics
@@ -131,8 +133,16 @@ def next_factor_state(state, figures, rule):
     moved, at_floor = dynamic_rule.next_dynamic_state(
         dynamic_rule.DynamicState(state.margins, state.good_steps),
         finite, rule.margin_rule())
-    margins = tf.where(known, moved.scale, state.margins)
-    good_steps = tf.where(known, moved.good_steps, state.good_steps)
+    # S backs off for the top, and for a blamed segment whose own scale
+    # cannot: its margin was at its floor, or its factor is; or it is not
+    # scaled above the top (F <= 1): S itself is too high for it, and the
+    # next batches would find the same of every segment, one at a time.
+    blamed_lower = tf.equal(lower_indices, blamed)
+    stuck = tf.logical_and(blamed_lower, tf.logical_or(
+        at_floor, state.factors <= tf.maximum(rule.min_factor, 1.0)))
+    learned = tf.logical_and(known, tf.logical_not(stuck))
+    margins = tf.where(learned, moved.scale, state.margins)
+    good_steps = tf.where(learned, moved.good_steps, state.good_steps)
 
     alignment = state.factors / state.margins
     climbed = tf.where(figures.top_measured, alignment * _CLIMB, alignment)
@@ -142,11 +152,6 @@ def next_factor_state(state, figures, rule):
     factors = tf.clip_by_value(alignment * margins, rule.min_factor,
                                rule.max_factor)
 
-    # S backs off for the top, and for a blamed segment that cannot: its
-    # margin was at its floor, or its factor is.
-    stuck = tf.logical_and(
-        tf.equal(lower_indices, blamed),
-        tf.logical_or(at_floor, state.factors <= rule.min_factor))
     top_finite = tf.logical_not(
         tf.logical_or(nonfinite[-1], tf.reduce_any(stuck)))
     return FactorState(factors, margins, good_steps), top_finite
