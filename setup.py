@@ -15,7 +15,8 @@ on: it is one pure-Python distribution that brings no TensorFlow, and
 TensorFlow itself accepts Keras releases this package does not support. The
 ranges live in tf_lossscale/_internal/versions.py, which also checks them at import
 time. `.[test]` adds the test tools (and `tensorflow`), `.[plot]` and
-`.[tensorboard]` what the demo's --plot and --logdir need.
+`.[tensorboard]` what the demo's --plot and --logdir need, `.[keras-hub]`
+KerasHub for the suite's KerasHub model (CI installs it beside `.[test]`).
 """
 
 import pathlib
@@ -73,6 +74,15 @@ setuptools.setup(
         # tf-keras (Keras 2) optimizers, `TF_USE_LEGACY_KERAS=1`. tf-keras
         # depends on the `tensorflow` distribution; same release range.
         "tf-keras": [_TF_KERAS],
+        # KerasHub, for the diagnosis' model zoo (its BERT): keras-hub
+        # requires tensorflow-text, which depends on the `tensorflow`
+        # distribution of the same minor release. Not in "test":
+        # tensorflow-text has no wheels for some platforms TensorFlow has
+        # (none for Linux aarch64 or Python 3.13 with 2.21), where it would
+        # make the test extra fail to install; .ci/run installs it beside
+        # the test extra on both legs (Keras 3.15: keras-hub 0.32; Keras
+        # 3.10: 0.25.1, the last before 0.26 asked for Keras >= 3.13).
+        "keras-hub": ["keras-hub>=0.25.1"],
         # The suite also runs the demo's --plot and --logdir, and the tf-keras
         # wrapper. It brings the full `tensorflow` distribution, the one
         # tf-keras depends on: run it in an environment of its own rather

@@ -31,6 +31,12 @@ Sections (`lsbench/sections/`, run in this order; `--only` picks some):
             in `model.fit` with and without XLA
   checks    the argument checks and the eager lock (eager work only: no op
             in a traced step)
+  diagnosis `tf_lossscale.diagnose` and `fix` on a ResNet-50, in seconds
+            and in training steps' worth
+  layerwise per-layer gradient scaling: its demonstration model (loss
+            curves and underflow shares in float32, with one loss scale and
+            per layer), and its cost per step against one loss scale (ops,
+            XLA instructions, fit's CPU time)
 
 `--quick` uses small gradient sets, a 1x16 MLP and one round: it checks that
 everything runs (tests/tools/test_benchmark_quick.py); its figures mean
@@ -74,9 +80,11 @@ from lsbench import report as report_module  # pylint: disable=g-import-not-at-t
 from lsbench.sections import argument_checks  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import apply_path  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import check_unscale_update  # pylint: disable=g-import-not-at-top,wrong-import-position
+from lsbench.sections import diagnosis  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import fit_step  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import gradient_stats  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import hot_path  # pylint: disable=g-import-not-at-top,wrong-import-position
+from lsbench.sections import per_layer  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import replicas  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import step_ops  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import xla_fit  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -84,7 +92,8 @@ from lsbench.sections import xla_fit  # pylint: disable=g-import-not-at-top,wron
 tf.get_logger().setLevel("ERROR")  # TF's reference is deprecated; it says so.
 
 SECTIONS = (check_unscale_update, apply_path, step_ops, hot_path, fit_step,
-            xla_fit, replicas, gradient_stats, argument_checks)
+            xla_fit, replicas, gradient_stats, argument_checks, per_layer,
+            diagnosis)
 
 
 def _cpu_model():

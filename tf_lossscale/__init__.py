@@ -5,6 +5,8 @@ Public API:
 * `LossScale`, `FixedLossScale`, `DynamicLossScale`: loss scales with the
   contract of TensorFlow's `tf.compat.v1.mixed_precision.LossScale`;
 * `get`, `serialize`, `deserialize`: identifiers and configs to loss scales;
+* `LossScaleGroup`: one loss scale for several optimizers (a GAN's two),
+  moved once per training iteration;
 * `LossScaleOptimizer`: the Keras optimizer wrapper that uses them (for
   tf-keras optimizers, a tf-keras wrapper: `tf_lossscale.tf_keras.loss_scale_optimizer`);
 * `compat.v1.MixedPrecisionLossScaleOptimizer`: the wrapper for
@@ -16,7 +18,9 @@ Public API:
   needs (`fit`'s callbacks; a custom step);
 * `diagnose`, `Float16Diagnosis`: why a float16 run gives NaN or does not
   learn, measured layer by layer on a few batches, with the loss scales and
-  the float32 layers that fix it.
+  the float32 layers that fix it;
+* `layerwise.scale_per_layer`: per-layer gradient scaling, for models no
+  single loss scale fits.
 """
 
 # TensorFlow is not a pip requirement of this package (setup.py says why):
@@ -44,14 +48,17 @@ if _tf_keras_now:
 _versions.warn_untested(_newer_than_tested)
 
 from tf_lossscale import compat
+from tf_lossscale import layerwise
 from tf_lossscale._internal.checks import DoubleScalingError
 from tf_lossscale._internal.checks import ReplicaContextError
+from tf_lossscale._internal.checks import SharedLossScaleWarning
 from tf_lossscale._internal.versions import UntestedReleaseWarning
 from tf_lossscale.diagnosis import Float16Diagnosis, diagnose
 from tf_lossscale.keras3.loss_scale_optimizer import LossScaleOptimizer
 from tf_lossscale.loss_scales import DynamicLossScale
 from tf_lossscale.loss_scales import FixedLossScale
 from tf_lossscale.loss_scales import LossScale
+from tf_lossscale.loss_scales import LossScaleGroup
 from tf_lossscale.loss_scales import deserialize
 from tf_lossscale.loss_scales import get
 from tf_lossscale.loss_scales import serialize
@@ -66,8 +73,9 @@ __version__ = "0.5.0"
 
 __all__ = [
     "DoubleScalingError", "DynamicLossScale", "FixedLossScale",
-    "Float16Diagnosis", "LossScale", "LossScaleMonitor",
-    "LossScaleOptimizer", "ReplicaContextError", "UntestedReleaseWarning",
-    "XlaChecks", "compat", "deserialize", "diagnose", "get", "serialize",
-    "with_xla_checks"
+    "Float16Diagnosis", "LossScale", "LossScaleGroup", "LossScaleMonitor",
+    "LossScaleOptimizer", "ReplicaContextError", "SharedLossScaleWarning",
+    "UntestedReleaseWarning",
+    "XlaChecks", "compat", "deserialize", "diagnose", "get", "layerwise",
+    "serialize", "with_xla_checks"
 ]

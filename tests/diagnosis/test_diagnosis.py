@@ -122,21 +122,29 @@ def underflowing():
 def test_report_names_the_underflowing_variables_and_a_higher_scale(
         underflowing):
     model, _, report = underflowing
-    hidden = [v.path for v in model.get_layer("hidden").trainable_weights]
+    kernel, bias = [v.path
+                    for v in model.get_layer("hidden").trainable_weights]
 
-    assert set(hidden) <= set(report.underflowing_variables)
+    assert kernel in report.underflowing_variables
     low, high = report.loss_scale_range
     assert low > 1
     rows = report.as_dict()["variables"]
     scales = report.as_dict()["scales"]
     for row in rows:
-        shares = row["underflow_share"]
+        costs = row["underflow_cost"]
         # At the advised bottom, within the tolerance of the top.
-        assert shares[scales.index(low)] <= (
-            shares[scales.index(high)] + 0.01)
+        assert costs[scales.index(low)] <= costs[scales.index(high)] + 0.01
+        assert costs == [min(values, norm) for values, norm in zip(
+            row["underflow_share"], row["underflow_norm_share"])]
     by_name = {row["name"]: row for row in rows}
-    # Nearly all of the hidden kernel's gradient is lost at scale 1.
-    assert by_name[hidden[0]]["underflow_share"][0] > 0.5
+    # Nearly all of the hidden kernel's gradient values underflow at scale
+    # 1, and they carry more than the tolerance of the layer's gradient.
+    assert by_name[kernel]["underflow_share"][0] > 0.5
+    assert by_name[kernel]["underflow_cost"][0] > 0.01
+    # The bias's values underflow too, but what float16 keeps of them
+    # (subnormals) leaves its layer's gradient all but whole.
+    assert by_name[bias]["underflow_share"][0] > 0.5
+    assert bias not in report.underflowing_variables
     assert report.first_nonfinite_layer is None
     assert report.keep_in_float32 == []
     between = f"Use a loss scale between 2^{int(math.log2(low))} and "
@@ -151,7 +159,7 @@ def _scaled_grads(network):
     def grads(x, y, scale):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(keras.losses.mean_squared_error(
-                y, tf.cast(network(x, training=False), tf.float32)))
+                y, tf.cast(network(x, training=True), tf.float32)))
             scaled = loss * scale
         return tape.gradient(scaled, network.trainable_variables)
 
@@ -166,22 +174,42 @@ def test_underflow_shares_are_counted_against_a_float32_model(underflowing):
     scales = report.as_dict()["scales"]
     rows = report.as_dict()["variables"]
 
+    layers = [row["layer"] for row in rows]
     for scale in (1.0, 2.0**8, 2.0**16):
         lost = np.zeros(len(rows))
         nonzero = np.zeros(len(rows))
         largest = np.zeros(len(rows))
+        lost_squares = np.zeros(len(rows))
+        squares = np.zeros(len(rows))
         for x, y in data:
             float16, float32 = model_grads(x, y, scale), twin_grads(x, y, 1.0)
             for i, (g16, g32) in enumerate(zip(float16, float32)):
-                lost[i] += np.sum((np.abs(g16) < 2.0**-14) & (g32 != 0))
+                underflow = (np.abs(g16) < 2.0**-14) & (g32 != 0)
+                lost[i] += np.sum(underflow)
                 nonzero[i] += np.sum(g32 != 0)
                 largest[i] = max(largest[i], np.abs(g32).max())
+                # What underflow loses of the float32 gradient, against the
+                # norm of the float32 gradient of the variable's layer.
+                lost_squares[i] += np.sum(np.where(
+                    underflow, g32.astype(np.float64)
+                    - g16.astype(np.float64) / scale, 0.0) ** 2)
+                squares[i] += np.sum(g32.astype(np.float64) ** 2)
+        layer_squares = {layer: sum(q for q, l in zip(squares, layers)
+                                    if l == layer) for layer in layers}
         index = scales.index(scale)
         assert [row["underflow_share"][index] for row in rows] == list(
             lost / nonzero)
         assert [row["nonzero_values"] for row in rows] == list(nonzero)
         np.testing.assert_allclose([row["gradient_max"] for row in rows],
                                    largest, rtol=1e-6)
+        np.testing.assert_allclose(
+            [row["underflow_norm_share"][index] for row in rows],
+            [np.sqrt(q / layer_squares[layer])
+             for q, layer in zip(lost_squares, layers)], rtol=1e-6)
+        np.testing.assert_allclose(
+            [row["gradient_norm_share"] for row in rows],
+            [np.sqrt(q / layer_squares[layer])
+             for q, layer in zip(squares, layers)], rtol=1e-6)
 
 
 def test_advised_top_is_where_the_float16_backward_pass_overflows(
@@ -343,6 +371,11 @@ def test_variable_figures_under_mirrored_combine_every_replicas_gradients(
 
     assert [{f: row[f] for f in fields} for row in mirrored["variables"]] == [
         {f: row[f] for f in fields} for row in parts["variables"]]
+    # Squares summed in another order.
+    for field in ("underflow_norm_share", "underflow_cost"):
+        np.testing.assert_allclose(
+            [row[field] for row in mirrored["variables"]],
+            [row[field] for row in parts["variables"]], rtol=1e-9, atol=0)
     # At scale 1, each replica's gradient is half its part's own.
     assert [2 * row["gradient_max"] for row in mirrored["variables"]] == [
         row["gradient_max"] for row in parts["variables"]]
@@ -494,6 +527,7 @@ def test_tf_keras_models_are_diagnosed_in_a_tf_keras_process(
         "fix_of_a_healthy_model_changes_no_dtype",
         "fix_under_mirrored_keeps_float16_after_the_normalization",
         "monitor_logs_gradient_stats",
+        "nested_block_under_the_global_policy_is_named_and_fixed",
         "overflowing_layer_is_named",
         "underflowing_variables_are_named_with_a_higher_scale",
         "under_mirrored_layer_figures_are_the_whole_batchs",

@@ -18,6 +18,7 @@ import tensorflow as tf
 import tf_lossscale
 
 from tests.helpers import float16_models  # pylint: disable=g-bad-import-order
+from tests.helpers import layerwise_models  # pylint: disable=g-bad-import-order
 from tests.helpers import training  # pylint: disable=g-bad-import-order
 
 # One xdist worker runs the file: its module fixtures run once.
@@ -152,24 +153,25 @@ def test_fix_gets_underflowing_gradients_to_the_variables():
     low, high = report.loss_scale_range
     assert float(fixed.optimizer.loss_scale()) == max(low, high / 2) > 1
     twin = float16_models.float32_copy(keras, model)
-    repaired = []
+    scale = float(fixed.optimizer.loss_scale())
     for x, y in data:
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(keras.losses.mean_squared_error(y, twin(x)))
-        # The hidden layer's kernel: non-zero in float32.
-        reached = np.asarray(tape.gradient(loss, twin.trainable_variables[0]))
-        reached = reached != 0
+        # The hidden layer's kernel and bias.
+        float32 = [np.asarray(g) for g in tape.gradient(
+            loss, twin.trainable_variables[:2])]
+        reached = float32[0] != 0
         assert reached.any()
         # At scale 1 float16 flushes them to 0 or keeps a few bits of them
         # (subnormal).
-        original = _scaled_float16_grads(model, x, y)[0][reached]
-        assert (np.abs(original) < 2.0**-14).all()
-        repaired.append(_scaled_float16_grads(fixed, x, y)[0][reached])
-    # In the fixed model each one arrives, normal but for the report's
-    # tolerance.
-    repaired = np.concatenate(repaired)
-    assert (repaired != 0).all()
-    assert np.mean(np.abs(repaired) < 2.0**-14) <= 0.01
+        original = _scaled_float16_grads(model, x, y)[0]
+        assert (np.abs(original[reached]) < 2.0**-14).all()
+        # In the fixed model each one arrives, and what underflow takes is
+        # within the report's tolerance.
+        repaired = _scaled_float16_grads(fixed, x, y)[0]
+        assert (repaired[reached] != 0).all()
+        assert float16_models.underflow_cost(
+            repaired, float32[0], scale, float32) <= 0.01
     assert _fit_skips(fixed, data)["skipped_steps"] == [0, 0]
 
 
@@ -288,3 +290,37 @@ def test_fix_refuses_outputs_that_overflow_float32_too():
     with pytest.raises(ValueError, match="layer 'huge' .* even though it "
                        "computes in float32 .* no choice of float32 layers"):
         report.fix(model)
+
+
+# Per-layer scaling where no single loss scale fits.
+
+
+def test_fix_per_layer_keeps_underflowing_layers_float16_and_scales_them():
+    model = layerwise_models.gained_model()
+    x, y = layerwise_models.data(4)
+    batches = [(x[i:i + 8], y[i:i + 8]) for i in range(0, len(x), 8)]
+    report = tf_lossscale.diagnose(model, batches, scales=_SCALES, verbose=0)
+    # No single scale keeps the low layers' gradients: float32 is advised,
+    # for underflow alone.
+    assert report.keep_in_float32 == ["low_1", "low_2"]
+    assert report.keep_in_float32_per_layer == []
+    assert "report.fix(model, per_layer=True)" in report.advice()[-1]
+
+    fixed = report.fix(model, per_layer=True)
+
+    assert isinstance(fixed, tf_lossscale.layerwise.LayerwiseModel)
+    # Every layer as it was (the scaled model adds its boundaries).
+    assert {name: policy for name, policy in _policies(fixed).items()
+            if name in _policies(model)} == _policies(model)
+    fixed.fit(x, y, batch_size=8, epochs=3, verbose=0)
+    # Once the factors have followed the gradients, the scaled model's
+    # diagnosis finds no underflow.
+    after = tf_lossscale.diagnose(fixed, batches, scales=_SCALES, verbose=0)
+    assert after.keep_in_float32 == [] and after.underflowing_variables == []
+
+
+def test_fix_per_layer_must_be_a_bool():
+    _, _, report, _ = _underflowing_fix()
+
+    with pytest.raises(TypeError, match="per_layer must be True or False"):
+        report.fix(float16_models.underflowing_model(keras), per_layer=1)

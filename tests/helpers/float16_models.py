@@ -124,3 +124,18 @@ def float32_copy(keras, model):
             for layer in model.layers if hasattr(layer, "units")])
     rebuilt.set_weights(model.get_weights())
     return rebuilt
+
+
+def underflow_cost(scaled_float16, float32, scale, layer_float32):
+    """The diagnosis' measure of what float16 underflow loses of a gradient,
+    computed here: the smaller of the share of `float32`'s nonzero values
+    whose float16 counterparts at loss scale `scale` (`scaled_float16`) are
+    zero or subnormal, and the share of the norm of the layer's float32
+    gradient (`layer_float32`, a list of arrays) that those lose."""
+    lost = (np.abs(scaled_float16) < 2.0**-14) & (float32 != 0)
+    values = lost.sum() / (float32 != 0).sum()
+    difference = np.where(lost, float32.astype(np.float64)
+                          - scaled_float16.astype(np.float64) / scale, 0.0)
+    norm = np.sqrt(np.sum(difference**2) / sum(
+        np.sum(np.asarray(g, np.float64)**2) for g in layer_float32))
+    return min(values, norm)

@@ -46,3 +46,25 @@ def test_nan_on_one_worker_skips_the_step_on_every_worker(
     np.testing.assert_allclose(
         weights, job_lib.single_process_weights(_JOB, keras),
         rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multi_worker("keras_3_group")
+def test_a_group_block_on_two_workers_agrees_once_and_skips_one_optimizer(
+        multi_worker_results):
+    first, second = job_lib.reports(multi_worker_results, "keras_3_group")
+    for key in ("weights", "scale", "skipped_steps"):
+        assert first[key] == second[key], key
+    # The NaN of worker 1 skips the second optimizer's step everywhere.
+    nan_steps = _JOB["nan_steps"]
+    assert first["skipped_steps"] == [
+        [0, sum(nan <= step for nan in nan_steps)]
+        for step in range(_JOB["steps"])]
+    # One step of the scale per iteration.
+    assert first["scale"] == job_lib.reference_scale_trace(_JOB)
+    # One agreement for both optimizers' steps (the gradients' all-reduces
+    # are in the branches that apply).
+    assert first["top_level_all_reduces"] == 1
+    np.testing.assert_allclose(
+        np.array(first["weights"]),
+        job_lib.single_process_group_weights(_JOB, keras),
+        rtol=1e-5, atol=1e-6)

@@ -80,18 +80,69 @@ def test_no_gradients_give_zeros():
         gradient_stats.scaled_gradient_stats([None], 4.0), [0.0, 0.0, 0.0])
 
 
-def test_underflow_count_compares_with_the_float32_gradient():
+def _by_variable(float16, float32, scale=1.0):
+    """The per-variable figures of two "variables", `float32[:3]` and
+    `float32[3:]` (and the same split of `float16`), flattened as the
+    diagnosis flattens them."""
+    variables = [tf.Variable(tf.zeros([3])), tf.Variable(tf.zeros([2, 2]))]
+    parts = [float32[:3], float32[3:].reshape(2, 2)]
+    flat32 = gradient_stats.flatten(parts, variables)
+    flat16 = gradient_stats.flatten(
+        [float16[:3], float16[3:].reshape(2, 2)], variables)
+    ids = gradient_stats.variable_ids(variables)
+    underflow, squares = gradient_stats.underflow_by_variable(
+        flat16, flat32, tf.constant(scale), ids, 2)
+    return {
+        "underflow": underflow.numpy().tolist(),
+        "squares": squares.numpy().tolist(),
+        "nonzero": gradient_stats.nonzero_by_variable(
+            flat32, ids, 2).numpy().tolist(),
+        "all_squares": gradient_stats.squares_by_variable(
+            flat32, ids, 2).numpy().tolist(),
+        "largest": gradient_stats.largest_by_variable(
+            flat16, ids, 2).numpy().tolist(),
+        "nonfinite": gradient_stats.nonfinite_by_variable(
+            flat16, ids, 2).numpy().tolist(),
+    }
+
+
+def test_underflow_by_variable_compares_with_the_float32_gradient():
     float32 = np.array([0.0, 1e-9, 1e-6, 1e-3, -1e-7, 0.0, 3.0], np.float32)
     # As a float16 backward pass at scale 1 gives them: 1e-9 flushes to 0,
     # 1e-6 and -1e-7 become subnormal; the two true zeros stay zeros.
     float16 = float32.astype(np.float16).astype(np.float32)
+    wide = float32.astype(np.float64)
+    lost = wide - float16.astype(np.float64)
 
-    assert gradient_stats.underflow_count(float16, float32) == 3
-    assert gradient_stats.nonzero_count(float32) == 5
+    figures = _by_variable(float16, float32)
+
+    # Variable 0: [0, 1e-9, 1e-6]; variable 1: [1e-3, -1e-7, 0, 3].
+    assert figures["underflow"] == [2.0, 1.0]
+    assert figures["nonzero"] == [2.0, 3.0]
+    # All of 1e-9 is lost, and the bits of 1e-6 and -1e-7 float16 drops.
+    np.testing.assert_allclose(figures["squares"], [
+        lost[1]**2 + lost[2]**2, lost[4]**2], rtol=1e-12)
+    np.testing.assert_allclose(figures["all_squares"], [
+        np.sum(wide[:3]**2), np.sum(wide[3:]**2)], rtol=1e-12)
+    assert figures["largest"] == [float(np.float32(float16[2])), 3.0]
+    assert figures["nonfinite"] == [0.0, 0.0]
     # At scale 2**20 (3.0 left out: it would overflow), 1e-9 becomes ~1e-3
     # and nothing but the true zeros is below 2**-14.
-    scaled = (float32[:-1] * 2.0**20).astype(np.float16).astype(np.float32)
-    assert gradient_stats.underflow_count(scaled, float32[:-1]) == 0
+    scaled = (float32 * 2.0**20).astype(np.float16).astype(np.float32)
+    scaled[-1] = 0.0
+    assert _by_variable(scaled, float32, 2.0**20)["underflow"][0] == 0.0
+
+
+def test_flattened_figures_see_non_finite_values_and_squares_of_tiny_ones():
+    float32 = np.array([1e-30, 0.0, 0.0, np.inf, 1.0, np.nan, 2.0],
+                       np.float32)
+
+    figures = _by_variable(float32, float32)
+
+    assert figures["nonfinite"] == [0.0, 1.0]
+    assert figures["largest"][1] == np.inf
+    # 1e-30 squared is below float32's range, not float64's.
+    assert figures["all_squares"][0] == pytest.approx(1e-60, rel=1e-6)
 
 
 @pytest.mark.parametrize("mode", _MODES)

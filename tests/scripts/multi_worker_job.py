@@ -7,7 +7,14 @@ processes (one TensorFlow import each) serves every multi-worker test:
 
 - "keras_3", "tf_keras": the Keras 3 and the tf-keras (`tf_keras` imported
   directly) wrapper in a custom loop (`multi_worker_keras_worker.py`, `JOB`);
-- "loss_scale": a `DynamicLossScale` alone (`multi_worker_loss_scale_worker.py`).
+- "loss_scale": a `DynamicLossScale` alone
+  (`multi_worker_loss_scale_worker.py`);
+- "keras_3_group": two Keras 3 optimizers in one `LossScaleGroup`, stepped
+  in a `group.iteration()` block: one agreement across the workers for both
+  (`run_group`; the steps of a group outside a block agree as a single
+  optimizer's do, and `skip="together"` differs only on the host);
+- "layerwise": a model scaled per layer in a custom loop
+  (`multi_worker_layerwise_worker.py`).
 
 A scenario that raises is reported as its traceback and ends its worker,
 and a worker that dies or hangs ends the job (its peer would wait in a
@@ -28,6 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 from tests.scripts import multi_worker_keras_worker as keras_worker
+from tests.scripts import multi_worker_layerwise_worker as layerwise_worker
 from tests.scripts import multi_worker_loss_scale_worker as loss_scale_worker
 from tests.helpers import reference_oracle
 from tests.helpers import subprocesses
@@ -62,6 +70,10 @@ SCENARIOS = {
     "tf_keras": lambda strategy: keras_worker.run(strategy, JOB, _tf_keras()),
     "loss_scale": lambda strategy: loss_scale_worker.run(
         strategy, loss_scale_worker.make_job()),
+    "keras_3_group": lambda strategy: keras_worker.run_group(
+        strategy, JOB, _keras_3()),
+    "layerwise": lambda strategy: layerwise_worker.run(
+        strategy, layerwise_worker.JOB),
 }
 
 
@@ -185,6 +197,32 @@ def single_process_weights(job, keras):
                     keras_worker.per_example_loss(model, x, y))
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        trace.append(np.concatenate([w.ravel() for w in model.get_weights()]))
+    return np.array(trace)
+
+
+def single_process_group_weights(job, keras):
+    """Weights after each step of `run_group`'s job on one device: the
+    second optimizer's step left out where worker `nan_task` planted its
+    NaN."""
+    model = keras_worker.build_model(keras)
+    parts = keras_worker.layer_variables(model)
+    optimizers = [keras_worker.make_inner_optimizer(keras) for _ in parts]
+    batches = [keras_worker.poison_and_finite_batches(task_id, job)
+               for task_id in range(NUM_WORKERS)]
+    trace = []
+    for step in range(job["steps"]):
+        poisoned = any(np.isnan(poison[step]) for _, _, poison in batches)
+        x = np.concatenate([x[step] for x, _, _ in batches])
+        y = np.concatenate([y[step] for _, y, _ in batches])
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras_worker.per_example_loss(model, x, y))
+        grads = tape.gradient(loss, parts)
+        for index, (optimizer, g, v) in enumerate(zip(optimizers, grads,
+                                                      parts)):
+            if poisoned and index == 1:
+                continue
+            optimizer.apply_gradients(zip(g, v))
         trace.append(np.concatenate([w.ravel() for w in model.get_weights()]))
     return np.array(trace)
 

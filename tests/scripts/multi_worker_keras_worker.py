@@ -16,6 +16,15 @@ its batch at each step listed in `nan_steps`, the other workers never do.
     {"task_id": 1, "num_replicas": 2, "scale": [...], "weights": [[...], ...],
      "iterations": [...], "skipped_steps": [...]}
 
+`run_group` trains the same model with two optimizers in one
+`tf_lossscale.LossScaleGroup`, one per layer, each scaling the same loss; the
+NaN of worker `nan_task` is planted in the second optimizer's gradients only
+(the data are finite). It steps them inside a `group.iteration()` block and
+returns per step the scale, each optimizer's skipped steps and the weights,
+with the all-reduce ops a traced step holds at its top level (the
+agreements; the gradients' own all-reduces are inside the branches that
+apply).
+
 The data and the initial weights come from functions here that the tests also
 import, to replay the job in one process.
 """
@@ -111,4 +120,72 @@ def run(strategy, job, keras):
             [float(v) for w in model.get_weights() for v in w.ravel()])
         observed["iterations"].append(int(optimizer.iterations.numpy()))
         observed["skipped_steps"].append(int(optimizer.skipped_steps))
+    return observed
+
+
+def layer_variables(model):
+    """Each optimizer's variables in `run_group`: one layer each."""
+    return [list(layer.trainable_variables) for layer in model.layers]
+
+
+def poison_and_finite_batches(task_id, job):
+    """`worker_batches` with the NaN taken out of the data, and per step the
+    value planted in the second optimizer's gradients instead (NaN or 0)."""
+    x, y = worker_batches(task_id, job)
+    poison = np.where(np.isnan(x).any(axis=(1, 2)), np.nan, 0.0)
+    return np.nan_to_num(x), y, poison.astype(np.float32)
+
+
+def run_group(strategy, job, keras):
+    """Trains the job's model with a `LossScaleGroup` of two optimizers,
+    stepped in one `group.iteration()` block."""
+    task_id = strategy.cluster_resolver.task_id
+    global_batch_size = LOCAL_BATCH_SIZE * strategy.num_replicas_in_sync
+
+    with strategy.scope():
+        model = build_model(keras)
+        group = tf_lossscale.LossScaleGroup(tf_lossscale.DynamicLossScale(
+            job["initial_loss_scale"], job["increment_period"]))
+        optimizers = [tf_lossscale.LossScaleOptimizer(
+            make_inner_optimizer(keras), loss_scale=group) for _ in range(2)]
+        parts = layer_variables(model)
+        for optimizer, variables in zip(optimizers, parts):
+            optimizer.build(variables)
+
+    def dataset_fn(input_context):
+        x, y, poison = poison_and_finite_batches(
+            input_context.input_pipeline_id, job)
+        return tf.data.Dataset.from_tensor_slices((x, y, poison))
+
+    dataset = strategy.distribute_datasets_from_function(dataset_fn)
+
+    def replica_step(x, y, poison):
+        with tf.GradientTape(persistent=True) as tape:
+            loss = tf.nn.compute_average_loss(
+                per_example_loss(model, x, y),
+                global_batch_size=global_batch_size)
+            scaled = [optimizer.scale_loss(loss) for optimizer in optimizers]
+        grads = [tape.gradient(s, v) for s, v in zip(scaled, parts)]
+        grads[1] = [g + poison for g in grads[1]]
+        with group.iteration():
+            for optimizer, g, v in zip(optimizers, grads, parts):
+                optimizer.apply_gradients(zip(g, v))
+
+    @tf.function
+    def train_step(inputs):
+        strategy.run(replica_step, args=inputs)
+
+    observed = {"task_id": task_id, "scale": [], "weights": [],
+                "skipped_steps": []}
+    for inputs in dataset:
+        train_step(inputs)
+        observed["scale"].append(float(group()))
+        observed["weights"].append(
+            [float(v) for w in model.get_weights() for v in w.ravel()])
+        observed["skipped_steps"].append(
+            [int(optimizer.skipped_steps) for optimizer in optimizers])
+    graph = train_step.get_concrete_function(inputs).graph
+    observed["top_level_all_reduces"] = sum(
+        1 for op in graph.get_operations()
+        if op.type.startswith("CollectiveReduce"))
     return observed

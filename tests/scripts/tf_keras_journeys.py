@@ -9,7 +9,9 @@ a tf-keras user would write it (`tf.keras...`,
 and checks its own results, computed in this process.
 """
 
+import contextlib
 import csv
+import functools
 import os
 import tempfile
 
@@ -17,6 +19,8 @@ import numpy as np
 import tensorflow as tf
 
 import tf_lossscale
+from tests.helpers import gan
+from tests.helpers import reference_oracle
 from tests.helpers import training
 
 keras = tf.keras
@@ -421,6 +425,85 @@ def loss_scale_monitor_logs_to_history_csv_and_tensorboard():
     assert tags["epoch_loss_scale"] == 2.0**9, tags
     assert tags["epoch_skipped_steps"] == 1.0
     del model
+
+
+# A GAN's two optimizers on one loss scale: tests/keras/
+# test_several_optimizers.py's journey, with tf-keras.
+_GAN_STEPS, _GAN_BATCH, _GAN_POISONED = 16, 8, 9
+_GAN_INITIAL, _GAN_PERIOD = 2.0**12, 4
+
+
+@functools.cache
+def _gan_weights():
+    return gan.initial_weights(keras)
+
+
+def _gan_run(policy, loss_scale, make_inner, jit_compile=False,
+             strategy=None):
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            group = tf_lossscale.LossScaleGroup(loss_scale())
+            optimizers = [tf_lossscale.LossScaleOptimizer(
+                make_inner(), loss_scale=group) for _ in range(2)]
+            monitor = tf_lossscale.LossScaleMonitor(
+                optimizers={"d": optimizers[0], "g": optimizers[1]})
+            return gan.fit(
+                keras, gan.build(keras, _gan_weights()), optimizers,
+                gan.data(_GAN_STEPS, _GAN_BATCH,
+                         poison_batches=[_GAN_POISONED]),
+                _GAN_BATCH, jit_compile=jit_compile, callbacks=[monitor],
+                snapshots=(_GAN_POISONED - 1, _GAN_POISONED))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+@functools.cache
+def _gan_float32_run():
+    return _gan_run("float32", lambda: tf_lossscale.FixedLossScale(
+        1, skip_non_finite=True), lambda: gan.inner_optimizer(keras))
+
+
+def _gan_journey(make_inner, **kwargs):
+    mixed = _gan_run("mixed_float16", lambda: tf_lossscale.DynamicLossScale(
+        _GAN_INITIAL, _GAN_PERIOD), make_inner, **kwargs)
+    for step, (ours, theirs) in enumerate(zip(mixed, _gan_float32_run())):
+        for key in ("d_loss", "g_loss"):
+            assert abs(ours[key] - theirs[key]) < 0.01, (step, key)
+    before = mixed[_GAN_POISONED - 1]["values"]
+    after = mixed[_GAN_POISONED]["values"]
+    for key in ("g", "g_inner"):
+        for now, was in zip(after[key], before[key]):
+            np.testing.assert_array_equal(now, was, err_msg=key)
+    assert not np.array_equal(after["d"][0], before["d"][0])
+    assert [step["skipped"] for step in mixed] == (
+        [[0, 0]] * _GAN_POISONED + [[0, 1]] * (_GAN_STEPS - _GAN_POISONED))
+    scales = [step["scale"] for step in mixed]
+    expected = reference_oracle.reference_scales(
+        [step != _GAN_POISONED for step in range(_GAN_STEPS)],
+        _GAN_INITIAL, _GAN_PERIOD, 2.0)
+    assert scales == expected, (scales, expected)
+    for step in mixed:
+        assert step["logs"] == {"loss_scale": step["scale"],
+                                "d_skipped_steps": step["skipped"][0],
+                                "g_skipped_steps": step["skipped"][1]}
+
+
+@journey
+def gan_with_a_loss_scale_group_skips_one_optimizer_and_tracks_float32():
+    _gan_journey(lambda: gan.inner_optimizer(keras))
+
+
+@journey
+def gan_with_a_loss_scale_group_under_xla():
+    _gan_journey(lambda: gan.inner_optimizer(keras), jit_compile=True)
+
+
+@journey
+def gan_with_a_loss_scale_group_of_legacy_optimizers_under_mirrored():
+    # The NaN is the last example of its batch: replica 1's part.
+    _gan_journey(lambda: keras.optimizers.legacy.SGD(0.05, momentum=0.5),
+                 strategy=training.mirrored(2))
 
 
 def names():

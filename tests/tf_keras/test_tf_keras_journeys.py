@@ -30,6 +30,9 @@ JOURNEYS = [
     "loss_scale_monitor_logs_to_history_csv_and_tensorboard",
     "xla_fit_needs_a_watcher_for_the_failure_policy",
     "loss_scale_state_from_a_file_is_checked_field_by_field",
+    "gan_with_a_loss_scale_group_skips_one_optimizer_and_tracks_float32",
+    "gan_with_a_loss_scale_group_under_xla",
+    "gan_with_a_loss_scale_group_of_legacy_optimizers_under_mirrored",
 ]
 
 

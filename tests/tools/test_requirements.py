@@ -467,6 +467,18 @@ def test_the_test_extra_brings_the_full_tensorflow_distribution():
                                         for r in test_extra}
 
 
+def test_ci_installs_the_keras_hub_extra_the_test_extra_leaves_out():
+    # keras-hub brings tensorflow-text, which has no wheels for some
+    # platforms TensorFlow has: the test extra must install without it, and
+    # CI installs it so that the model zoo's KerasHub tests run.
+    extras = _setup_arguments()["extras_require"]
+    assert [_requirement_name(r) for r in extras["keras-hub"]] == [
+        "keras-hub"]
+    assert "keras-hub" not in {_requirement_name(r) for r in extras["test"]}
+    assert 'pip install --quiet -e ".[keras-hub]"' in (
+        _ROOT / ".ci" / "run").read_text()
+
+
 # --- the README says the same --------------------------------------------------
 
 

@@ -1,4 +1,5 @@
-"""Argument checks for every entry point, and the package's two exceptions.
+"""Argument checks for every entry point, the package's two exceptions and
+its warning about a shared loss scale.
 
 A check runs before anything is created or changed; its message names the
 argument and shows the value's bounded `summary`. A bool is no number; an int
@@ -10,7 +11,9 @@ import collections.abc
 import math
 import numbers
 import operator
+import os
 import reprlib
+import sys
 
 import numpy as np
 import tensorflow as tf
@@ -29,6 +32,23 @@ class ReplicaContextError(ValueError, RuntimeError):
     where one call cannot stand for every replica's step: a ValueError, as
     TensorFlow's and Keras' own wrappers raise, and a RuntimeError, for code
     written against earlier tf_lossscale."""
+
+
+class SharedLossScaleWarning(UserWarning):
+    """Two optimizer wrappers hold one stateful loss scale without a
+    `LossScaleGroup`: each optimizer's step is a step of the scale, so it
+    moves once per optimizer step, not once per training iteration."""
+
+
+def user_stacklevel():
+    """The `stacklevel` for `warnings.warn` in the caller that names the
+    first frame outside this package (the user's line)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 1  # pylint: disable=protected-access
+    while frame is not None and os.path.abspath(
+            frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 # A loss scale lives in a float32 variable: a larger float would become inf.

@@ -195,6 +195,14 @@ def init_without_keras_loss_scale_optimizer(optimizer, name):
         optimizer, learning_rate=0.0, name=name)
 
 
+# --- Keras 3 and tf-keras -----------------------------------------------------
+def flatten_layers(layer):
+    """`layer` and every layer it tracks, recursively, depth first: Keras
+    has no public walk into the layers a layer makes itself (a KerasHub
+    transformer block's attention and dense layers)."""
+    return layer._flatten_layers(include_self=True, recursive=True)
+
+
 # --- tf-keras -----------------------------------------------------------------
 # The flag tf-keras' wrappers set on the optimizer they wrap, and refuse.
 TF_KERAS_WRAPPED = "_is_wrapped_by_loss_scale_optimizer"

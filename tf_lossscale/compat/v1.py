@@ -27,7 +27,8 @@ class MixedPrecisionLossScaleOptimizer(tf.compat.v1.train.Optimizer):
       opt: the `tf.compat.v1.train.Optimizer` to wrap (its name and
         `use_locking` become the wrapper's).
       loss_scale: anything `tf_lossscale.get` takes (`"dynamic"`, the
-        default; a number, for a fixed scale; a `LossScale` or its config),
+        default; a number, for a fixed scale; a `LossScale` or its config;
+        a `LossScaleGroup` several optimizers share),
         or a `tf.compat.v1.mixed_precision` loss scale, used as it is. Made
         in the graph (and under the strategy's scope) the optimizer runs in.
 
@@ -48,6 +49,7 @@ class MixedPrecisionLossScaleOptimizer(tf.compat.v1.train.Optimizer):
         resolved = optimizer_arguments.resolve_loss_scale(
             loss_scale, own_types=_TF_LOSS_SCALE)
         super().__init__(private_api.tf1_use_locking(opt), opt.get_name())
+        resolved = optimizer_arguments.claim(resolved, self)
         # Unclaimed: as with TensorFlow's wrapper, one optimizer may serve
         # several wrappers (in several graphs, say).
         self._optimizer = opt

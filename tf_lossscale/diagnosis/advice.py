@@ -24,24 +24,37 @@ def float16_gradients(figures):
             if row["compute_dtype"] == "float16" and row["gradient_max"]]
 
 
-def float32_reasons(figures, top, tolerance):
+def float32_reasons(figures, top, tolerance, underflow=True):
     """{layer name: why it should compute in float32}: each layer's first
-    reason."""
+    reason; without `underflow`, not for gradients that underflow at the
+    top of the range (which scaling each layer's gradients can keep)."""
     reasons = [(row["name"], (
         f"its outputs reach {text.number(row['activation_max_float32'])} "
         f"({'above' if row['activation_headroom_log2'] < 0 else 'close to'}"
         " float16's 65504)")) for row in figures["layers"]
                if row["activation_headroom_log2"] is not None
                and row["activation_headroom_log2"] < ACTIVATION_MARGIN_LOG2]
+    # The first layer whose float16 outputs are not finite, where float32
+    # holds them: it overflows inside (attention scores, a variance).
+    first = next((row for row in figures["layers"]
+                  if row["nonfinite_batches"]), None)
+    if first is not None and first["compute_dtype"] == "float16":
+        reasons.append((first["name"], (
+            "its float16 outputs are not finite where float32's reach "
+            f"{text.number(first['activation_max_float32'])}: it overflows "
+            "inside (a sum or product over many values, such as attention "
+            "scores)")))
     # The advised top, or the lowest scale when even that overflows.
     scale = figures["scales"][0 if top is None else top]
-    if top is not None:
+    if top is not None and underflow:
         reasons += [(row["layer"], (
-            f"{text.share(row['underflow_share'][top])} of {row['name']}'s "
-            f"gradient underflows even at {text.pow2(scale)}"))
+            f"float16 loses {text.share(row['underflow_share'][top])} of "
+            f"{row['name']}'s gradient values to underflow even at "
+            f"{text.pow2(scale)}, {text.share(row['underflow_norm_share'][top])}"
+            " of the layer's float32 gradient norm"))
                     for row in figures["variables"]
-                    if row["underflow_share"] is not None
-                    and row["underflow_share"][top] > tolerance]
+                    if row["underflow_cost"] is not None
+                    and row["underflow_cost"][top] > tolerance]
     elif measured_batches(figures) > 0:
         reasons += [(name, f"gradients reach {text.number(largest * scale)} "
                            f"at loss scale {text.pow2(scale)}, above "
@@ -79,7 +92,9 @@ def sentences(figures, reasons):
             f"Use a loss scale {between}: above it the float16 backward pass "
             "overflows on more than "
             f"{text.share(figures['overflow_tolerance'])} of the batches, "
-            "below it more gradient values underflow. A DynamicLossScale "
+            "below it underflow costs some variable's gradient more than "
+            f"{text.share(figures['underflow_tolerance'])} of its layer's "
+            "gradient norm beyond what it costs at the top. A DynamicLossScale "
             "finds the top by itself; "
             f"FixedLossScale({text.pow2(high, python=True)}) is the fixed "
             "choice.")
@@ -92,11 +107,20 @@ def sentences(figures, reasons):
         listed = ", ".join(names[:5]) + (
             f" and {len(names) - 5} more" if len(names) > 5 else "")
         lines.append(
-            f"At loss scale {lowest} more than "
+            f"At loss scale {lowest} float16 loses more than "
             f"{text.share(figures['underflow_tolerance'])} of the gradient "
-            f"underflows for: {listed}.")
+            "values to underflow, carrying more than that share of their "
+            f"layer's float32 gradient norm, for: {listed}.")
     lines += [f"Keep layer {name!r} in float32 (dtype=\"float32\"): "
               f"{reason}." for name, reason in reasons.items()]
+    scaled = [name for name in reasons
+              if name in figures["per_layer_scalable"]]
+    if scaled:
+        lines.append(
+            f"Or keep {', '.join(map(repr, scaled))} in float16 and give "
+            "their gradients a scale of their own: "
+            "report.fix(model, per_layer=True) (tf_lossscale.layerwise, "
+            "Keras 3).")
     # For each float16 layer: whether the advice keeps it in float32.
     kept = [row["name"] in figures["keep_in_float32"]
             for row in figures["layers"]

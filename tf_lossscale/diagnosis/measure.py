@@ -1,33 +1,42 @@
 """`diagnose`: why a float16 run fails, measured on a few batches.
 
-Each batch runs on a float32 twin of the model (the reference) and as the
-model computes, once per probed loss scale (`passes.py`); `report.py` turns
-the figures into advice (docs/guides/float16-troubleshooting.md).
+Each batch runs on a float32 twin of the model (the reference) and on a copy
+computing as the model does, at each probed loss scale (`passes.py`);
+`report.py` turns the figures into advice
+(docs/guides/float16-troubleshooting.md).
 """
 
 import itertools
 
 from tf_lossscale.diagnosis import models
 from tf_lossscale.diagnosis import passes
+from tf_lossscale.diagnosis import progress as progress_lib
 from tf_lossscale.diagnosis import report
 from tf_lossscale._internal import checks
 
 
 def diagnose(model, data, steps=8, *, loss=None,
              scales=tuple(2.0 ** k for k in range(33)),
-             overflow_tolerance=0.05, underflow_tolerance=0.01):
+             overflow_tolerance=0.05, underflow_tolerance=0.01,
+             training=True, verbose="auto"):
     """Measures where a float16 model overflows and underflows; returns a
     `Float16Diagnosis`.
 
-    Each batch runs with `training=False` in float32 on a twin of the model,
-    then as the model computes at each of `scales`, in every replica of its
-    strategy, without XLA; a few numbers are read back to the host after
-    every pass. The model, its optimizer and the dtype policies are left as
-    they were. What is measured: docs/guides/float16-troubleshooting.md.
+    Each batch runs as `fit` computes it (`training=True`: normalization on
+    the batch's statistics; dropout and noise layers off) in float32 on a
+    twin of the model, then as the model computes, its backward pass seeded
+    with each of `scales` in turn, in every replica of its strategy, without
+    XLA. A batch's scales above the first whose backward pass overflows are
+    not run (they overflow too). Both runs are copies rebuilt from the
+    model's config: the model, its optimizer, the dtype policies and
+    Python's and numpy's random states are left as they were. Syncs with
+    the host after every pass. What is measured, and the rule that judges
+    underflow: docs/guides/float16-troubleshooting.md.
 
     Args:
-      model: a functional or Sequential Keras model (Keras 3 or tf-keras)
-        with one output, as it trains (e.g. under `mixed_float16`).
+      model: a functional or Sequential Keras model (Keras 3 or tf-keras),
+        nested models and KerasHub tasks included, with one output, as it
+        trains (e.g. built under `mixed_float16`).
       data: a `tf.data.Dataset` or any iterable of `(x, y)` or
         `(x, y, sample_weight)` batches, as `fit` takes them.
       steps: how many batches of `data` to run, at most.
@@ -36,22 +45,28 @@ def diagnose(model, data, steps=8, *, loss=None,
       overflow_tolerance: the share of batches (0 to 1) whose backward pass
         may overflow at the top of the advised range (with the default and
         fewer than 20 batches, none).
-      underflow_tolerance: how much more of a variable's gradient (a share,
-        0 to 1) may underflow at the bottom of the advised range than at its
-        top.
+      underflow_tolerance: the share of a layer's float32 gradient norm (0
+        to 1) that underflow may take from one of its variables before the
+        variable counts as underflowing; also how much more of it the
+        bottom of the advised range may lose than its top.
+      training: run the layers as `fit` does (True) or as `predict` does.
+      verbose: 0 (silent), 1 (a progress bar), 2 (a line per phase), or
+        "auto": 1 in an interactive run, else 2.
 
     Raises:
       TypeError: a model `diagnose` cannot run (see above), or a batch that
         is not a tuple of 2 or 3.
-      ValueError: no batch; a bad `steps`, `scales`, `overflow_tolerance` or
-        `underflow_tolerance`; no loss; or a batch that does not split
-        evenly over the replicas.
+      ValueError: no batch; a bad `steps`, `scales`, `overflow_tolerance`,
+        `underflow_tolerance`, `training` or `verbose`; no loss; or a batch
+        that does not split evenly over the replicas.
     """
     arguments = {
         name: checks.finite_float32(name, value, at_least=0, at_most=1)
         for name, value in (("overflow_tolerance", overflow_tolerance),
                             ("underflow_tolerance", underflow_tolerance))}
     steps = checks.positive_int("steps", steps)
+    training = checks.boolean("training", training)
+    level = progress_lib.check_verbose(verbose)
     try:
         scales = [float(scale) for scale in scales]
     except (TypeError, ValueError) as err:
@@ -72,9 +87,15 @@ def diagnose(model, data, steps=8, *, loss=None,
     if not batches:
         raise ValueError("data holds no batch")
     arguments.update(data=batches, steps=len(batches), loss=loss,
-                     scales=scales)
-    figures = passes.Passes(model, loss_fn).figures(batches, scales)
-    return report.Float16Diagnosis(figures, arguments, diagnose)
+                     scales=scales, training=training, verbose=verbose)
+    progress = progress_lib.Progress(
+        level, models.keras_module(model),
+        len(batches) * (1 + len(scales)), f"diagnose {model.name!r}")
+    runs = passes.Passes(model, loss_fn, training)
+    progress.line("rebuilt a float32 twin and a float16 copy")
+    figures = runs.figures(batches, scales, progress)
+    return report.Float16Diagnosis(figures, arguments, diagnose,
+                                   runs.layer_paths)
 
 
 def _loss(model, loss):

@@ -1,52 +1,78 @@
 """The passes of a float16 diagnosis over its batches, and their figures.
 
-Per batch, in every replica: the float32 twin's forward and backward pass at
-scale 1, then the model's own at each probed scale, each reduced to a few
-figures per layer and per variable (maxima, finiteness flags, underflow
-counts against the twin's gradients). The replicas' figures are combined
-(counts summed, the rest maxima), then the batches' into rows.
+Per batch, in every replica, as `fit` computes it (`training=True`, dropout
+and noise off so both runs compute the same function): the float32 twin's
+forward and backward pass at scale 1, then a float16 copy's forward and
+backward pass at each probed scale. Each is reduced to a few figures per
+layer and per variable (maxima, finiteness flags, underflow counts and the
+norm of what underflow loses against the twin's gradients), with few ops:
+compiling the two passes is most of what a diagnosis costs on a small
+number of batches. The replicas' figures are combined (counts and squares
+summed, the rest maxima), then the batches' into rows. A batch's scales
+above the first whose backward pass overflows are not run: a larger scale
+only makes every value larger, so they overflow too.
 """
+
+import math
 
 import numpy as np
 import tensorflow as tf
 
-from tf_lossscale.diagnosis import advice
 from tf_lossscale.diagnosis import models
+from tf_lossscale.diagnosis import text
 from tf_lossscale.ops import float16
 
 # Figures summed over replicas; the others are their maxima.
-_SUMMED = ("underflow", "nonzero")
+_SUMMED = ("underflow", "nonzero", "lost_squares", "reference_squares")
+# The float16 figures of the backward pass; the others are the forward's.
+_BACKWARD = ("backward_overflow", "variable_nonfinite", "underflow",
+             "lost_squares")
 
 
 class Passes:
     """The two runs of `model` over its batches, under its strategy, with
-    `loss_fn`: `(y_true, y_pred) -> per-example losses`."""
+    `loss_fn`: `(y_true, y_pred) -> per-example losses`. `training`: run the
+    layers as `fit` does (normalization on batch statistics), or as
+    `predict` does. The model itself never runs: copies of it do."""
 
-    def __init__(self, model, loss_fn):
+    def __init__(self, model, loss_fn, training=True):
         self._loss_fn = loss_fn
+        self._training = training
         self._tf_keras = models.keras_module(model).__name__ == "tf_keras"
         self._strategy = model.distribute_strategy
-        self._probe = models.probe(model)
-        self._twin = models.rebuilt(model)
-        self._twin_probe = models.probe(self._twin)
-        self._layers = models.probed_layers(model)
+        self._twin = models.copy(model, models.ALL)
+        self._copy = models.copy(model)
+        for copied in (self._twin, self._copy):
+            models.random_layers_off(copied)
+        self._twin_recorder = models.Recorder(self._twin)
+        self._recorder = models.Recorder(self._copy)
+        self.layer_paths = [path for path, _ in self._recorder.leaves]
+        # The model's variables name the rows; the copy's are measured.
         self._variables = list(model.trainable_variables)
-        owner = float16.owners(model)
-        self._variable_layers = [owner.get(id(v)) for v in self._variables]
+        self._ids = float16.variable_ids(self._variables)
+        holders = models.variable_holders(self._copy)
+        self._variable_layers, self._float16_variable = [], []
+        for variable in self._copy.trainable_variables:
+            path, holder = holders.get(id(variable), (None, None))
+            self._variable_layers.append(path)
+            self._float16_variable.append(
+                holder is not None and holder.compute_dtype == "float16"
+                and not float16.takes_gradient_as_value(variable))
         self._float16_layer = [layer.compute_dtype == "float16"
-                               for layer in self._layers]
-        half = {id(v) for v in float16.float16_variables(model)}
-        self._float16_variable = [id(v) in half for v in self._variables]
-        # One trace each (per batch shape), run in every replica.
+                               for _, layer in self._recorder.leaves]
+        # Set while tracing: which layers ran, and whether the loss reached
+        # their outputs.
+        self._called = None
+        self._reached = None
         self._float32_fn = tf.function(
             lambda batch: self._replicated(self._float32_pass, batch),
             reduce_retracing=True)
         self._float16_fn = tf.function(
-            lambda batch, scale, float32_grads: self._replicated(
-                self._float16_pass, batch, scale, float32_grads)[0],
+            lambda batch, scale, float32_flat: self._replicated(
+                self._float16_pass, batch, scale, float32_flat)[0],
             reduce_retracing=True)
 
-    def _loss(self, y, y_pred, sample_weight):
+    def _loss(self, model, y, y_pred, sample_weight):
         # In the dtype fit computes it in: Keras 3's losses cast the outputs
         # to float32, tf-keras' compute in the outputs' dtype.
         if not self._tf_keras:
@@ -59,69 +85,122 @@ class Passes:
                                            tf.int32)], axis=0))
             values = values * weight
         loss = tf.reduce_sum(values) / tf.cast(tf.size(values), values.dtype)
+        # Regularization, as fit adds it.
+        extra = [tf.cast(tf.reduce_sum(v), loss.dtype) for v in model.losses]
+        if extra:
+            loss = loss + tf.add_n(extra)
         # Each replica's share of the batch, as Keras' fit scales it, so the
         # replicas' gradients sum to the whole batch's.
         return loss * (
             1.0 / tf.distribute.get_replica_context().num_replicas_in_sync)
 
-    def _forward_backward(self, probe, variables, batch, scale):
+    def _forward(self, model, recorder, batch):
         x, y, sample_weight = batch
-        with tf.GradientTape() as tape:
-            layer_outputs, y_pred = probe(x)
-            loss = self._loss(y, y_pred, sample_weight)
-            scaled = loss * tf.cast(scale, loss.dtype)
-        grads = tape.gradient(scaled, (layer_outputs, list(variables)))
-        # Sparse gradients (embeddings) made dense, to compare position by
-        # position; rows absent from the batch are 0 in both runs.
-        return layer_outputs, grads[0], [
-            tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-            for g in grads[1]]
+        with recorder.recording() as records:
+            y_pred = model(x, training=self._training)
+        return records, self._loss(model, y, y_pred, sample_weight)
+
+    def _by_layer(self, records, tensor_lists, finite=False):
+        """Float32 vectors over the model's leaf layers, from `tensor_lists`
+        (one list per record: its outputs, or their gradients; None
+        skipped): the largest |value| (+inf for +-Inf), and with `finite`
+        1.0 where every value is finite. A layer that did not run, or whose
+        tensors are all None, gets 0 (and 1)."""
+        indices, largest, finiteness = [], [], []
+        for (index, _), tensors in zip(records, tensor_lists):
+            for tensor in tensors:
+                if tensor is not None:
+                    indices.append(index)
+                    # Per tensor: one reduction over it, no copy of it.
+                    largest.append(tf.reduce_max(tf.abs(tf.cast(
+                        tensor, tf.float32))))
+                    if finite:
+                        finiteness.append(tf.cast(tf.reduce_all(
+                            tf.math.is_finite(tensor)), tf.float32))
+        count = len(self.layer_paths)
+        if not indices:
+            return tf.zeros([count]), tf.ones([count])
+        by_layer = [tf.maximum(tf.math.unsorted_segment_max(
+            tf.stack(largest), indices, count), 0.0)]
+        if finite:
+            by_layer.append(tf.minimum(tf.math.unsorted_segment_min(
+                tf.stack(finiteness), indices, count), 1.0))
+            by_layer[0] = tf.where(by_layer[1] == 1.0, by_layer[0], math.inf)
+        return tuple(by_layer)
 
     def _float32_pass(self, batch):
-        layer_outputs, output_grads, grads = self._forward_backward(
-            self._twin_probe, self._twin.trainable_variables, batch, 1.0)
+        with tf.GradientTape() as tape:
+            records, loss = self._forward(self._twin, self._twin_recorder,
+                                          batch)
+        variables = list(self._twin.trainable_variables)
+        output_grads, grads = tape.gradient(
+            loss, ([tensors for _, tensors in records], variables))
+        self._reached = [False] * len(self.layer_paths)
+        for (index, _), tensors in zip(records, output_grads):
+            self._reached[index] |= any(g is not None for g in tensors)
+        flat = float16.flatten(grads, variables)
         return {
-            "activation_max_float32": _per_item(layer_outputs),
-            "gradient_max": _per_item(output_grads),
-            "gradient_reached": tf.stack([
-                tf.constant(float(any(g is not None for g in tensors)))
-                for tensors in output_grads]),
-            "variable_gradient_max": _per_item(grads),
-        }, [tf.zeros(v.shape, tf.float32) if g is None else g
-            for g, v in zip(grads, self._variables)]
+            "activation_max_float32": self._by_layer(
+                records, [tensors for _, tensors in records])[0],
+            "gradient_max": self._by_layer(records, output_grads)[0],
+            "variable_gradient_max": float16.largest_by_variable(
+                flat, self._ids, len(variables)),
+        }, flat
 
-    def _float16_pass(self, batch, scale, float32_grads):
-        layer_outputs, output_grads, grads = self._forward_backward(
-            self._probe, self._variables, batch, scale)
+    def _float16_pass(self, batch, scale, float32_flat):
+        with tf.GradientTape() as tape:
+            records, loss = self._forward(self._copy, self._recorder, batch)
+        # In the order they first ran.
+        self._called = list(dict.fromkeys(index for index, _ in records))
+        variables = list(self._copy.trainable_variables)
+        count, ids = len(variables), self._ids
+        half = tf.constant(self._float16_variable, tf.float32)
+        outputs = [tensors for _, tensors in records]
         known = tf.cast(float16.is_finite(batch[0]), tf.float32)
-        output_finite = _per_item(layer_outputs, float16.is_finite)
-        backward = [g for g, f16 in zip(output_grads + grads,
-                                        self._float16_layer
-                                        + self._float16_variable) if f16]
-        forward_finite = tf.reduce_all(tf.cast(output_finite, tf.bool))
+        activation_max, output_finite = self._by_layer(records, outputs,
+                                                       finite=True)
+        forward_finite = tf.logical_and(
+            tf.reduce_all(output_finite == 1.0), float16.is_finite(loss))
         # Underflow is counted where the float16 run is finite up to the
         # loss: a batch that overflowed forward has no gradients to compare.
         measured = known * tf.cast(forward_finite, tf.float32)
-        return {
+        records_half = [record for record in records
+                        if self._float16_layer[record[0]]]
+        half_outputs = [tensors for _, tensors in records_half]
+        figures = {
             "input_nonfinite": 1.0 - known[None],
             # Only batches with finite inputs say where non-finite values
             # start.
             "output_nonfinite": (1.0 - output_finite) * known,
             "forward_nonfinite": (1.0 - tf.cast(
                 forward_finite, tf.float32))[None] * known,
-            "activation_max": _per_item(layer_outputs),
-            "backward_overflow": tf.cast(tf.logical_and(
-                forward_finite, tf.logical_not(
-                    float16.is_finite(backward))), tf.float32)[None],
-            "variable_nonfinite": 1.0 - _per_item(grads, float16.is_finite),
-            "underflow": measured * tf.stack([
-                float16.underflow_count(g, reference) if f16 and (
-                    g is not None) else tf.constant(0.0)
-                for g, reference, f16 in zip(grads, float32_grads,
-                                             self._float16_variable)]),
-            "nonzero": measured * _per_item(
-                float32_grads, float16.nonzero_count),
-        }, None
+            "activation_max": activation_max,
+            "nonzero": measured * half * float16.nonzero_by_variable(
+                float32_flat, ids, count),
+            "reference_squares": tf.cast(measured * half, tf.float64) * (
+                float16.squares_by_variable(float32_flat, ids, count)),
+        }
+        # Seeding the backward pass with the scale is differentiating the
+        # scaled loss (d(s * loss)/d loss = s): the same values.
+        output_grads, grads = tape.gradient(
+            loss, (half_outputs, variables),
+            output_gradients=tf.cast(scale, loss.dtype))
+        flat = float16.flatten(grads, variables)
+        nonfinite = float16.nonfinite_by_variable(flat, ids, count)
+        underflow, lost_squares = float16.underflow_by_variable(
+            flat, float32_flat, scale, ids, count)
+        backward_finite = tf.logical_and(
+            tf.reduce_all(self._by_layer(records_half, output_grads,
+                                         finite=True)[1] == 1.0),
+            tf.reduce_max(nonfinite * half) == 0.0)
+        figures.update(
+            backward_overflow=tf.cast(tf.logical_and(
+                forward_finite, tf.logical_not(backward_finite)),
+                                      tf.float32)[None],
+            variable_nonfinite=nonfinite,
+            underflow=measured * half * underflow,
+            lost_squares=tf.cast(measured * half, tf.float64) * lost_squares)
+        return figures, None
 
     def _replicated(self, fn, *args):
         """`fn(*args)` in every replica: its figures combined over the
@@ -158,80 +237,142 @@ class Passes:
         return self._strategy.experimental_distribute_values_from_function(
             replica_part)
 
-    def figures(self, batches, scales):
+    def run_batch(self, batch, scales, progress):
+        """The figures of one batch: `(float32 figures, float16 figures)`,
+        the float16 backward pass's with one row per scale. Reads a few
+        numbers back to the host after every pass, to stop at the first
+        scale that overflows."""
+        distributed = self._distribute(batch)
+        figures32, float32_flat = self._float32_fn(distributed)
+        progress.advance()
+        forward, rows = None, []
+        for scale in scales:
+            figures = {key: np.asarray(value) for key, value in
+                       self._float16_fn(distributed, tf.constant(
+                           scale, tf.float32), float32_flat).items()}
+            forward = forward or {key: value for key, value in figures.items()
+                                  if key not in _BACKWARD}
+            rows.append({key: figures[key] for key in _BACKWARD})
+            progress.advance()
+            if (forward["input_nonfinite"][0] or forward["forward_nonfinite"][0]
+                    or rows[-1]["backward_overflow"][0]):
+                break
+        progress.advance(len(scales) - len(rows))
+        # Scales not run repeat the last one run (see the module docstring).
+        rows += rows[-1:] * (len(scales) - len(rows))
+        backward = {key: np.stack([row[key] for row in rows])
+                    for key in _BACKWARD}
+        return ({key: np.asarray(value) for key, value in figures32.items()},
+                dict(forward, **backward))
+
+    def figures(self, batches, scales, progress):
         """The figures of `batches` at `scales`: counts of batches, and one
-        row per layer and per variable (see `Float16Diagnosis.as_dict`).
-        Reads a few numbers back to the host after every pass."""
+        row per layer that ran and per variable (see
+        `Float16Diagnosis.as_dict`)."""
         float32_runs, float16_runs = [], []
-        for batch in batches:
-            distributed = self._distribute(batch)
-            figures, float32_grads = self._float32_fn(distributed)
-            float32_runs.append(figures)
-            float16_runs.append([self._float16_fn(
-                distributed, tf.constant(scale, tf.float32), float32_grads)
-                for scale in scales])
+        for index, batch in enumerate(batches):
+            run32, run16 = self.run_batch(batch, scales, progress)
+            float32_runs.append(run32)
+            float16_runs.append(run16)
+            overflow = np.flatnonzero(run16["backward_overflow"][:, 0])
+            progress.line(
+                f"batch {index + 1}/{len(batches)}: float32 twin, float16 "
+                + ("forward pass not finite" if run16["forward_nonfinite"][0]
+                   or run16["input_nonfinite"][0] else
+                   f"backward pass overflows from {text.pow2(scales[overflow[0]])}"
+                   if overflow.size else "no overflow at any scale"))
         # Over the batches: maxima of the float32 figures and of the
-        # outputs, counts of the rest; per scale ([scale, ...]).
+        # outputs, sums of the rest.
         f32 = {key: np.max([run[key] for run in float32_runs], axis=0)
                for key in float32_runs[0]}
         f16 = {key: (np.max if key == "activation_max" else np.sum)(
-            [[run[key] for run in runs] for runs in float16_runs], axis=0)
-               for key in float16_runs[0][0]}
+            [run[key] for run in float16_runs], axis=0)
+               for key in float16_runs[0]}
         counts = {
             "batches": len(batches),
             "replicas": self._strategy.num_replicas_in_sync,
-            "input_nonfinite_batches": int(f16["input_nonfinite"][0, 0]),
-            "forward_nonfinite_batches": int(f16["forward_nonfinite"][0, 0]),
-            "overflow_batches": [
-                int(n) for n in f16["backward_overflow"][:, 0]],
+            "input_nonfinite_batches": int(f16["input_nonfinite"][0]),
+            "forward_nonfinite_batches": int(f16["forward_nonfinite"][0]),
+            "overflow_batches": [int(n) for n in f16["backward_overflow"][:, 0]],
         }
+        measured = (counts["batches"] - counts["input_nonfinite_batches"]
+                    - counts["forward_nonfinite_batches"])
         return dict(counts, layers=self._layer_rows(f32, f16),
-                    variables=self._variable_rows(
-                        f32, f16, advice.measured_batches(counts) > 0))
+                    variables=self._variable_rows(f32, f16, measured > 0))
 
     def _layer_rows(self, f32, f16):
-        # Against float16's range only where float16 holds the values.
-        gradients = [value if reached else None for value, reached in zip(
-            f32["gradient_max"].tolist(), f32["gradient_reached"])]
-        return [{
-            "name": layer.name,
-            "compute_dtype": layer.compute_dtype,
-            "activation_max": float(f16["activation_max"][0, index]),
-            "activation_max_float32": largest,
-            "activation_headroom_log2": (
-                float16.headroom_log2(largest) if half else None),
-            "gradient_max": gradient,
-            "gradient_headroom_log2": (
-                float16.headroom_log2(gradient) if half else None),
-            "nonfinite_batches": int(f16["output_nonfinite"][0, index]),
-        } for index, (layer, half, largest, gradient) in enumerate(zip(
-            self._layers, self._float16_layer,
-            f32["activation_max_float32"].tolist(), gradients))]
+        rows = []
+        for index in self._called:
+            half = self._float16_layer[index]
+            largest = float(f32["activation_max_float32"][index])
+            gradient = (float(f32["gradient_max"][index])
+                        if self._reached[index] else None)
+            rows.append({
+                "name": self.layer_paths[index],
+                "compute_dtype": "float16" if half else (
+                    self._recorder.leaves[index][1].compute_dtype),
+                "activation_max": float(f16["activation_max"][index]),
+                "activation_max_float32": largest,
+                "activation_headroom_log2": (
+                    float16.headroom_log2(largest) if half else None),
+                "gradient_max": gradient,
+                "gradient_headroom_log2": (
+                    float16.headroom_log2(gradient) if half else None),
+                "nonfinite_batches": int(f16["output_nonfinite"][index]),
+            })
+        return rows
 
     def _variable_rows(self, f32, f16, measured):
-        return [{
-            # A Keras 3 variable's path, or a tf-keras variable's name.
-            "name": getattr(variable, "path", None) or variable.name,
-            "layer": None if layer is None else layer.name,
-            "compute_dtype": "float16" if half else "float32",
-            "size": int(np.prod(variable.shape)),
-            "gradient_max": largest,
-            "gradient_headroom_log2": (
-                float16.headroom_log2(largest) if half else None),
-            "nonzero_values": int(count),
-            "underflow_share": [
-                float(lost) / count if count else 0.0
-                for lost in f16["underflow"][:, index]
-            ] if half and measured else None,
-            "nonfinite_batches": [
-                int(n) for n in f16["variable_nonfinite"][:, index]],
-        } for index, (variable, layer, half, largest, count) in enumerate(zip(
-            self._variables, self._variable_layers, self._float16_variable,
-            f32["variable_gradient_max"].tolist(),
-            f16["nonzero"][0].tolist()))]
+        # Each layer's float32 gradient norm (squared), over its float16
+        # variables: what underflow's losses are measured against.
+        layer_squares = {}
+        for layer, half, squares in zip(self._variable_layers,
+                                        self._float16_variable,
+                                        f16["reference_squares"]):
+            if half:
+                layer_squares[layer] = layer_squares.get(layer, 0.0) + float(
+                    squares)
+        rows = []
+        for index, (variable, layer, half) in enumerate(zip(
+                self._variables, self._variable_layers,
+                self._float16_variable)):
+            count = float(f16["nonzero"][index])
+            total = layer_squares.get(layer, 0.0)
+            largest = float(f32["variable_gradient_max"][index])
+            shown = half and measured
+            rows.append({
+                # A Keras 3 variable's path, or a tf-keras variable's name.
+                "name": getattr(variable, "path", None) or variable.name,
+                "layer": layer,
+                "compute_dtype": "float16" if half else "float32",
+                "size": int(np.prod(variable.shape)),
+                "gradient_max": largest,
+                "gradient_headroom_log2": (
+                    float16.headroom_log2(largest) if half else None),
+                "nonzero_values": int(count),
+                "gradient_norm_share": _root_share(
+                    f16["reference_squares"][index], total) if shown else None,
+                "underflow_share": [
+                    float(lost) / count if count else 0.0
+                    for lost in f16["underflow"][:, index]] if shown else None,
+                # At most all of it: where float16 rounds a tiny value up to
+                # the smallest subnormal, the difference exceeds the value.
+                "underflow_norm_share": [
+                    min(1.0, _root_share(lost, total))
+                    for lost in f16["lost_squares"][:, index]
+                ] if shown else None,
+                "nonfinite_batches": [
+                    int(n) for n in f16["variable_nonfinite"][:, index]],
+            })
+            # Both: many values (range, not the rounding of a few), carrying
+            # a material part of the layer's gradient (not noise).
+            rows[-1]["underflow_cost"] = [
+                min(values, norm) for values, norm in zip(
+                    rows[-1]["underflow_share"],
+                    rows[-1]["underflow_norm_share"])] if shown else None
+        return rows
 
 
-def _per_item(items, fn=float16.largest_magnitude):
-    """`fn` of each item (a tensor or a list of them; by default its largest
-    magnitude) as a float32 vector."""
-    return tf.stack([tf.cast(fn(item), tf.float32) for item in items])
+def _root_share(squares, total):
+    """sqrt(squares / total): a share of a norm from squared norms."""
+    return float(np.sqrt(float(squares) / total)) if total > 0 else 0.0

@@ -25,9 +25,9 @@ def write(report, path):
                                  if row["compute_dtype"] == "float16"])
     # Each float16 variable's underflow share over the probed scales.
     scales = [math.log2(s) for s in report["scales"]]
-    shares = {row["name"]: row["underflow_share"]
+    shares = {row["name"]: row["underflow_cost"]
               for row in report["variables"]
-              if row["underflow_share"] is not None}
+              if row["underflow_cost"] is not None}
     for name, values in shares.items():
         axes.plot(scales, [100 * s for s in values], marker=".", label=name)
     for exponent, overflowed in zip(scales, report["overflow_batches"]):
@@ -39,7 +39,7 @@ def write(report, path):
         axes.axvspan(low - 0.5, high + 0.5, color="tab:green", alpha=0.12,
                      linewidth=0, label="advised loss scales")
     axes.set(xlabel="log2 of the loss scale (red: the backward pass "
-             "overflows)", ylabel="gradient lost to underflow (%)",
+             "overflows)", ylabel="underflow cost (%)",
              title="float16 variables")
     axes.grid(True, alpha=0.3)
     if len(shares) <= 10:

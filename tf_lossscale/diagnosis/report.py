@@ -2,7 +2,10 @@
 loss scale, a fixed model, and three views (text, a dict, a plot)."""
 
 import copy
+import warnings
 
+from tf_lossscale import layerwise
+from tf_lossscale._internal import checks
 from tf_lossscale.diagnosis import advice as advice_lib
 from tf_lossscale.diagnosis import models
 from tf_lossscale.diagnosis import text
@@ -19,15 +22,19 @@ class Float16Diagnosis:
     plain Python values, `plot(path)` a figure; `loss_scale()` a loss scale
     for the advised range and `fix(model)` the model rebuilt to train.
     Attributes: `loss_scale_range` (`(lowest, highest)` advised, or None),
-    `keep_in_float32` (layer names), `first_nonfinite_layer` (a layer name
-    or None), `underflowing_variables` (variable names). For `fix`, it keeps
-    what `diagnose` ran with: references to its batches, and its loss.
+    `keep_in_float32` (layer names), `keep_in_float32_per_layer` (those of
+    them that need float32 even with gradients scaled per layer: the ones
+    that overflow), `first_nonfinite_layer` (a layer name
+    or None), `underflowing_variables` (variable names). Layers are named
+    by their paths (`"ffn/dense_1"` inside a nested model). For `fix`, it
+    keeps what `diagnose` ran with: references to its batches, and its loss.
     """
 
-    def __init__(self, figures, arguments, diagnose):
+    def __init__(self, figures, arguments, diagnose, layer_paths):
         self._figures = figures
         self._arguments = arguments
         self._diagnose = diagnose
+        self._layer_paths = layer_paths
         self.first_nonfinite_layer = next(
             (row["name"] for row in figures["layers"]
              if row["nonfinite_batches"]), None)
@@ -43,18 +50,22 @@ class Float16Diagnosis:
         self.loss_scale_range = None
         if top is not None:
             # Its bottom: the lowest scale at which every float16 variable
-            # loses at most `tolerance` more of its gradient than at the top.
-            shares = [row["underflow_share"] for row in figures["variables"]
-                      if row["underflow_share"] is not None]
+            # loses at most `tolerance` more of its layer's gradient norm
+            # than at the top.
+            shares = [row["underflow_cost"]
+                      for row in figures["variables"]
+                      if row["underflow_cost"] is not None]
             bottom = next(index for index in range(top + 1) if all(
                 share[index] <= share[top] + tolerance for share in shares))
             self.loss_scale_range = (scales[bottom], scales[top])
         self.underflowing_variables = [
             row["name"] for row in figures["variables"]
-            if row["underflow_share"] is not None
-            and row["underflow_share"][0] > tolerance]
+            if row["underflow_cost"] is not None
+            and row["underflow_cost"][0] > tolerance]
         self._reasons = advice_lib.float32_reasons(figures, top, tolerance)
         self.keep_in_float32 = list(self._reasons)
+        self.keep_in_float32_per_layer = list(advice_lib.float32_reasons(
+            figures, top, tolerance, underflow=False))
 
     def loss_scale(self):
         """A new `DynamicLossScale` for the advised range `(low, high)`:
@@ -67,26 +78,40 @@ class Float16Diagnosis:
         return dynamic_loss_scale.DynamicLossScale(
             initial_loss_scale=max(low, high / 2), min_loss_scale=low)
 
-    def fix(self, model):
+    def fix(self, model, per_layer=False):
         """A new compiled model: `model` (the one diagnosed, compiled)
         rebuilt with its weights and the layers float16 cannot hold in
         float32, and more of them until the same batches' forward pass is
-        finite; every other layer keeps its dtype policy. Compiled as
-        `model` was, with a `LossScaleOptimizer` around a new inner optimizer
-        from the original's config and the new model's `loss_scale()`.
-        `model` is left as it was. What carries over and what does not:
+        finite; every other layer keeps its dtype policy. With `per_layer`,
+        layers advised into float32 only for gradients that underflow stay
+        in float16, and the model's gradients are scaled per layer instead
+        (`tf_lossscale.layerwise.scale_per_layer`, Keras 3 only): a
+        `LayerwiseModel`. Every layer of the
+        new model is checked to compute as intended (nested ones, and those
+        a layer makes itself, included). Compiled as `model` was, with a
+        `LossScaleOptimizer` around a new inner optimizer from the
+        original's config and the new model's `loss_scale()`. `model` is
+        left as it was. What carries over and what does not:
         docs/guides/float16-troubleshooting.md.
+
+        Warns when every layer ends in float32 (mixed precision off), and
+        when a float32 layer sits inside a layer whose config cannot say so
+        (a KerasHub backbone's blocks): the returned model computes it in
+        float32, a model rebuilt from its saved config would not.
 
         Raises:
           TypeError: `model` is not a functional or Sequential model, or
-            cannot be rebuilt from its config.
+            cannot be rebuilt from its config, or a layer cannot be made to
+            compute in float32 in the copy; with `per_layer`, a model
+            `scale_per_layer` does not take (tf-keras).
           ValueError: `model` is not the model diagnosed, or not compiled;
             no choice of float32 layers makes the forward pass finite (NaN
             or Inf in the inputs, or in a float32 layer's outputs).
         """
         models.check_model(model, "fix")
-        names = [layer.name for layer in models.probed_layers(model)]
-        if names != [row["name"] for row in self._figures["layers"]]:
+        per_layer = checks.boolean("per_layer", per_layer)
+        names = [path for path, _ in models.leaf_layers(model)]
+        if names != self._layer_paths:
             raise ValueError(
                 f"model {model.name!r} is not the model this report "
                 f"diagnosed: its layers are {names}")
@@ -100,23 +125,30 @@ class Float16Diagnosis:
                 f"{self._figures['batches']} diagnosed batches hold NaN or "
                 "Inf in their inputs: no choice of float32 layers makes the "
                 "forward pass finite; fix the data")
-        keep = set(self.keep_in_float32)
+        keep = set(self.keep_in_float32_per_layer if per_layer
+                   else self.keep_in_float32)
         while True:
-            fixed = models.rebuilt(model, keep)
-            checked = self._diagnose(fixed, **self._arguments)
+            fixed = models.copy(model, keep)
+            # With no dtype changed, the copy computes as the model did:
+            # this report is its diagnosis.
+            checked = self._diagnose(fixed, **self._arguments) if keep else (
+                self)
             first = checked.first_nonfinite_layer
-            if first is not None and (
-                    fixed.get_layer(first).compute_dtype != "float16"):
+            dtypes = {row["name"]: row["compute_dtype"]
+                      for row in checked.as_dict()["layers"]}
+            if first is not None and dtypes[first] != "float16":
                 raise ValueError(
                     f"the outputs of layer {first!r} of model {model.name!r} "
                     "are not finite on the diagnosed batches even though it "
                     "computes in float32 (NaN or Inf in its weights, or "
                     "values beyond float32's range): no choice of float32 "
                     "layers makes the forward pass finite")
-            named = set(checked.keep_in_float32) | ({first} - {None})
+            named = set(checked.keep_in_float32_per_layer if per_layer
+                        else checked.keep_in_float32) | ({first} - {None})
             if named <= keep:
                 break
             keep |= named
+        self._warn_about(fixed, keep)
         # Compiled as `model` was, with a new optimizer and the new loss scale.
         inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
         settings = {key: value
@@ -130,7 +162,28 @@ class Float16Diagnosis:
                 loss=model.loss or self._arguments["loss"],
                 **models.keras_module(model).saving.deserialize_keras_object(
                     settings))
+        if per_layer:
+            return layerwise.scale_per_layer(fixed)
         return fixed
+
+    @staticmethod
+    def _warn_about(fixed, keep):
+        """The warnings `fix` promises (see there)."""
+        if keep and not any(layer.compute_dtype == "float16"
+                            for _, layer in models.leaf_layers(fixed)):
+            warnings.warn(
+                f"fix: every layer of model {fixed.name!r} computes in "
+                "float32: mixed precision is off (see the report's advice: "
+                "mixed_bfloat16 may suit it)", stacklevel=3)
+        unsaved = models.unsaved_float32(fixed, keep)
+        if unsaved:
+            warnings.warn(
+                f"fix: layers {sorted(unsaved)} of model {fixed.name!r} "
+                "compute in float32, but the config of the layer that holds "
+                "them cannot say so: a model rebuilt from a saved copy "
+                "computes them as the original did. Save weights, not the "
+                "model, or give that layer a dtype policy map "
+                "(keras.dtype_policies.DTypePolicyMap)", stacklevel=3)
 
     def overflow_bound_log2(self):
         """log2 of the largest loss scale the float16 gradients measured in
@@ -158,6 +211,9 @@ class Float16Diagnosis:
             loss_scale_range=(None if self.loss_scale_range is None
                               else list(self.loss_scale_range)),
             keep_in_float32=list(self.keep_in_float32),
+            per_layer_scalable=[
+                name for name in self.keep_in_float32
+                if name not in self.keep_in_float32_per_layer],
             underflowing_variables=list(self.underflowing_variables))
         figures["advice"] = advice_lib.sentences(figures, self._reasons)
         return figures

@@ -59,18 +59,24 @@ def _variable_lines(report):
     # The lowest probed scale, then the advised range's ends.
     shown = sorted({0} | {report["scales"].index(scale)
                           for scale in report["loss_scale_range"] or ()})
-    header = "".join(f"{'at ' + pow2(report['scales'][i]):>9}"
+    header = "".join(f"{'at ' + pow2(report['scales'][i]):>14}"
                      for i in shown)
-    lines = ["Variables, share of the float16 gradient lost to underflow "
-             "(zero or subnormal where the float32 gradient is not 0):",
-             f"  {'variable':<32} {'dtype':<8}{header} {'largest':>10} "
-             f"{'headroom':>9}"]
+    lines = ["Variables, what float16 underflow loses of their gradient: the "
+             "share of its values/the share of the layer's float32 gradient "
+             "norm they carry; and the share of that norm the variable "
+             "carries (underflow costs training where both shares are "
+             "large):",
+             f"  {'variable':<32} {'dtype':<8}{header} {'carries':>8} "
+             f"{'largest':>10} {'headroom':>9}"]
     variables = report["variables"]
     for row in variables[:MAX_PRINTED_VARIABLES]:
-        shares = row["underflow_share"] or [None] * len(report["scales"])
+        values = row["underflow_share"] or [None] * len(report["scales"])
+        norms = row["underflow_norm_share"] or [None] * len(report["scales"])
         lines.append(f"  {row['name']:<32} {row['compute_dtype']:<8}"
-                     + "".join(f"{share(shares[i]):>9}" for i in shown)
-                     + f" {number(row['gradient_max']):>10} "
+                     + "".join(f"{share(values[i]) + '/' + share(norms[i]):>14}"
+                               for i in shown)
+                     + f" {share(row['gradient_norm_share']):>8}"
+                     f" {number(row['gradient_max']):>10} "
                      f"{number(row['gradient_headroom_log2'], '.1f'):>9}")
     if len(variables) > MAX_PRINTED_VARIABLES:
         lines.append(f"  ... and {len(variables) - MAX_PRINTED_VARIABLES} "

@@ -14,6 +14,7 @@ import tensorflow as tf
 from tf_lossscale._internal import checks
 from tf_lossscale._internal import private_api
 from tf_lossscale.keras3 import saving
+from tf_lossscale.loss_scales import group as group_lib
 from tf_lossscale.loss_scales import loss_scale as loss_scale_lib
 from tf_lossscale.loss_scales import xla_checks
 from tf_lossscale.ops import replicas
@@ -58,6 +59,7 @@ def _for_tf_keras(inner_optimizer):
 
 
 def _warn_if_scaling_bfloat16(loss_scale):
+    loss_scale = group_lib.underlying(loss_scale)
     policy = keras.mixed_precision.global_policy()
     scales = not (isinstance(loss_scale, loss_scale_lib.FixedLossScale)
                   and loss_scale.loss_scale_value == 1)
@@ -85,7 +87,9 @@ class LossScaleOptimizer(saving.SavedState,
         the same arguments; `isinstance(opt, LossScaleOptimizer)` holds for
         both.
       loss_scale: anything `tf_lossscale.get` takes: a number (a fixed
-        scale), `"dynamic"` (the default), a `LossScale` or its config.
+        scale), `"dynamic"` (the default), a `LossScale` or its config, or a
+        `LossScaleGroup` that several optimizers share (the optimizer
+        joins it: `loss_scale` is then its `GroupMember`).
       name: the optimizer's name.
       initial_scale, dynamic_growth_steps, dynamic: instead of `loss_scale`,
         Keras' and tf-keras' arguments (a dynamic scale with multiplier 2;
@@ -126,6 +130,7 @@ class LossScaleOptimizer(saving.SavedState,
             loss_scale, dynamic, initial_scale, dynamic_growth_steps)
         # Keras' own wrapper's constructor makes scale variables we do not use.
         private_api.init_without_keras_loss_scale_optimizer(self, name)
+        resolved = optimizer_arguments.claim(resolved, self)
         self.inner_optimizer = inner_optimizer
         # tf-keras' flag: every wrapper, tf-keras' own too, now refuses it.
         setattr(inner_optimizer, private_api.TF_KERAS_WRAPPED, True)
@@ -158,6 +163,10 @@ class LossScaleOptimizer(saving.SavedState,
 
     # The step's replaceable parts; the benchmark's ablations swap one.
     _step_parts = loss_scaled_step.FULL_STEP
+    # Set by a model scaled per layer when compiled with this optimizer
+    # (`tf_lossscale.layerwise`): its steps then scale, unscale and check
+    # each segment on its own. Not state: never saved.
+    _gradient_scaling = None
 
     def apply_gradients(self, grads_and_vars):
         self.check_unscaled()
@@ -185,14 +194,30 @@ class LossScaleOptimizer(saving.SavedState,
         if not self.built:
             with loss_scaled_step.building_outside_traces():
                 self.build(trainable_variables)
-        parts = self._step_parts
+        loss_scale, parts = self._loss_scale, self._step_parts
+        stats = self._stats_for(variables)
+        if self._gradient_scaling is not None:
+            loss_scale, parts, stats = self._gradient_scaling.step(
+                loss_scale, variables, parts, stats)
         if not self._caller_unscales:
             # Read before the update below can change the scale.
             grads = parts.unscale(grads, variables, self._loss_scale())
         loss_scaled_step.apply_or_skip(
-            self._loss_scale, grads, trainable_variables,
+            loss_scale, grads, trainable_variables,
             self.inner_optimizer.apply, self._skip_record,
-            stats=self._stats_for(variables), parts=parts)
+            stats=stats, parts=parts)
+
+    def get_unscaled_gradients(self, grads):
+        """TF 2.x protocol: returns `grads / scale`; refused (ValueError)
+        for a model scaled per layer, whose gradients each have their
+        segment's scale: use `scale_loss` and `apply_gradients` instead."""
+        if self._gradient_scaling is not None:
+            raise ValueError(
+                "get_unscaled_gradients cannot unscale the gradients of a "
+                "model scaled per layer (each has its segment's scale): call "
+                "optimizer.scale_loss(loss), then apply_gradients with the "
+                "scaled gradients, which unscales each by its own")
+        return super().get_unscaled_gradients(grads)
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise NotImplementedError(

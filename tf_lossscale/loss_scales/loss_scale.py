@@ -35,6 +35,24 @@ def graph_op(op):
     return None if tf.executing_eagerly() else op
 
 
+# The loss scales in a `LossScaleGroup` (weakly), which only the group moves.
+GROUPED = weakref.WeakKeyDictionary()
+# The optimizer wrappers holding each loss scale (weakly, both ways).
+_HOLDERS = weakref.WeakKeyDictionary()
+
+
+def holders(loss_scale):
+    """The living optimizer wrappers that hold `loss_scale`, oldest first."""
+    return [owner for owner in (ref() for ref in _HOLDERS.get(loss_scale, ()))
+            if owner is not None]
+
+
+def add_holder(loss_scale, owner):
+    """Records that the optimizer wrapper `owner` holds `loss_scale`."""
+    _HOLDERS[loss_scale] = [weakref.ref(o)
+                            for o in holders(loss_scale) + [owner]]
+
+
 def update_from_grads(loss_scale, grads):
     """`update` of a built-in loss scale: its flag and update are computed
     in cross-replica context (through `merge_call` from a replica).
@@ -45,6 +63,11 @@ def update_from_grads(loss_scale, grads):
     apply a step that failed.
     """
     replicas.check_supported()
+    if loss_scale in GROUPED:
+        raise ValueError(
+            f"{loss_scale!r} is the loss scale of a LossScaleGroup, which "
+            "moves it once per iteration: update it through the group's "
+            "members (the optimizers given the group, or group.join())")
     # pylint: disable=protected-access
     return replicas.call_in_cross_replica_context(
         lambda grads: loss_scale._update_from_all_finite(
@@ -114,12 +137,7 @@ class LossScale(private_api.TensorLike, private_api.Trackable,
              for v, value in zip(self.variables, values) if value is not None])
 
     def _add_state_variable(self, name, initial_value, dtype):
-        variable = tf.Variable(
-            initial_value, name=name, dtype=dtype, trainable=False,
-            synchronization=tf.VariableSynchronization.AUTO,
-            # Set once per step from a value all replicas agree on: summing
-            # or averaging it across replicas would be wrong.
-            aggregation=tf.VariableAggregation.NONE)
+        variable = state_variable(name, initial_value, dtype)
         self._state_variables[name] = variable
         private_api.track(self, variable, name)
         return variable
@@ -146,6 +164,17 @@ class LossScale(private_api.TensorLike, private_api.Trackable,
         if graph not in reads:
             reads[graph] = self()
         return reads[graph]
+
+
+def state_variable(name, initial_value, dtype):
+    """A variable of loss-scaling state: not trainable, one value for every
+    replica, made under the current strategy's scope (if any)."""
+    return tf.Variable(
+        initial_value, name=name, dtype=dtype, trainable=False,
+        synchronization=tf.VariableSynchronization.AUTO,
+        # Set once per step from a value all replicas agree on: summing
+        # or averaging it across replicas would be wrong.
+        aggregation=tf.VariableAggregation.NONE)
 
 
 def _to_tensor(value, dtype=None, name=None, as_ref=False):

@@ -2,7 +2,8 @@
 
 The serialized form is the one Keras wrote for loss scales in TF 2.1-2.3,
 ``{"class_name": "DynamicLossScale", "config": {...}}``, so configs saved then
-load unchanged. The keys `module` and `registered_name` that Keras 3 adds to
+load unchanged. A `LossScaleGroup` (and a member's) is
+``{"class_name": "LossScaleGroup", "config": {"loss_scale": {...}, "skip": ...}}``. The keys `module` and `registered_name` that Keras 3 adds to
 serialized objects are accepted and ignored.
 """
 
@@ -13,6 +14,7 @@ import numbers
 import numpy as np
 
 from tf_lossscale.loss_scales import dynamic_loss_scale
+from tf_lossscale.loss_scales import group as group_lib
 from tf_lossscale.loss_scales import loss_scale as loss_scale_lib
 from tf_lossscale._internal import checks
 
@@ -22,10 +24,16 @@ _BUILT_IN = {
                 dynamic_loss_scale.DynamicLossScale)
 }
 _IGNORED_KEYS = frozenset({"module", "registered_name"})
+_GROUP = "LossScaleGroup"
 
 
 def serialize(loss_scale):
-    """Returns a JSON-able dict `{"class_name": ..., "config": {...}}`."""
+    """Returns a JSON-able dict `{"class_name": ..., "config": {...}}`; for
+    a `LossScaleGroup` or one of its members, the group's."""
+    if isinstance(loss_scale, group_lib.GroupMember):
+        loss_scale = loss_scale.group
+    if isinstance(loss_scale, group_lib.LossScaleGroup):
+        return {"class_name": _GROUP, "config": loss_scale.get_config()}
     if not isinstance(loss_scale, loss_scale_lib.LossScale):
         raise TypeError(
             "loss_scale must be a tf_lossscale.LossScale, got "
@@ -73,6 +81,8 @@ def deserialize(config, custom_objects=None):
         raise TypeError(
             "custom_objects must be a dict mapping class names to LossScale "
             f"subclasses, got {checks.summary(custom_objects)}")
+    if class_name == _GROUP:
+        return _deserialize_group(config["config"], custom_objects)
     classes = {**_BUILT_IN, **{key: value for key, value in
                                custom_objects.items() if isinstance(key, str)}}
     if class_name not in classes:
@@ -104,6 +114,25 @@ def deserialize(config, custom_objects=None):
     return cls.from_config(arguments)
 
 
+def _deserialize_group(arguments, custom_objects):
+    """A new `LossScaleGroup` (with no member yet) from its config."""
+    if not isinstance(arguments, dict):
+        raise TypeError(
+            "config['config'] of a LossScaleGroup must be a dict like "
+            "{'loss_scale': {...}, 'skip': 'each'}, got "
+            f"{checks.summary(arguments)}")
+    unknown = [key for key in arguments if key not in ("loss_scale", "skip")]
+    if unknown or "loss_scale" not in arguments:
+        raise ValueError(
+            "config['config'] of a LossScaleGroup takes the keys "
+            f"'loss_scale' (required) and 'skip', got the keys "
+            f"{checks.summary(list(arguments))}")
+    return group_lib.LossScaleGroup(
+        deserialize(arguments["loss_scale"], custom_objects),
+        **{key: value for key, value in arguments.items()
+           if key == "skip"})
+
+
 def get_argument(name, identifier):
     """`get(identifier)` for the argument `name` of a caller (an optimizer's
     `loss_scale`), whose errors say which argument was refused: a config's
@@ -122,7 +151,7 @@ def get(identifier):
 
     * an int or float: a `FixedLossScale` of that value;
     * `"dynamic"`: a `DynamicLossScale` with default parameters;
-    * a `LossScale`: itself;
+    * a `LossScale` or a `LossScaleGroup`: itself;
     * a dict: `deserialize(identifier)`;
     * None: None.
 
@@ -130,7 +159,8 @@ def get(identifier):
       ValueError: anything else (a bool, another string, a list, ...).
       TypeError, ValueError: as `deserialize`, for a malformed dict.
     """
-    if identifier is None or isinstance(identifier, loss_scale_lib.LossScale):
+    if identifier is None or isinstance(
+            identifier, (loss_scale_lib.LossScale, group_lib.LossScaleGroup)):
         return identifier
     if isinstance(identifier, (bool, np.bool_)):
         raise ValueError(

@@ -54,6 +54,8 @@ def act(target):
 
 def _failure_message(record, recorded):
     state = recorded.state
+    if recorded.code == xla_record.REFUSED:
+        return record.refusal_message(recorded.values)
     if recorded.code == xla_record.INVALID:
         return failure_policy.invalid_state_message(state, record.hysteresis)
     scale = (state["current_loss_scale"], tf.float32)

@@ -16,8 +16,9 @@ import tensorflow as tf
 from tf_lossscale.loss_scales import failure_policy
 from tf_lossscale._internal import private_api
 
-# Event codes of a failed or refused step.
-NONE, INVALID, AT_FLOOR, TOO_MANY_SKIPS = 0, 1, 2, 3
+# Event codes of a failed or refused step. REFUSED: by the caller of the
+# update (a `LossScaleGroup`), its message given by `refusal_message`.
+NONE, INVALID, AT_FLOOR, TOO_MANY_SKIPS, REFUSED = 0, 1, 2, 3, 4
 # The record: [failure code, then the values its message needs: S's bits, G,
 # H, C; then warnings since the host last looked, the last warning's S bits
 # and C]. Integers only: XLA on every device handles int64.
@@ -34,6 +35,7 @@ class Recorded(NamedTuple):
     """A record read back on the host; the scales as Python floats."""
     code: int
     state: dict  # Refused state or failing step: {field: value}.
+    values: tuple  # The four values behind `state`, as recorded.
     warnings: int
     warn_scale: float
     warn_skips: int
@@ -77,6 +79,9 @@ class StepRecord:
                 trainable=False, aggregation=tf.VariableAggregation.NONE)
         self._watches = []
         self._lock = threading.Lock()
+        # `refusal_message(values)`: the message of a REFUSED record, from
+        # the values `refuse` was given; set by the refusing caller.
+        self.refusal_message = None
 
     def __deepcopy__(self, memo):
         # A copy of a loss scale has state of its own: its record starts
@@ -151,6 +156,24 @@ class StepRecord:
                 tf.equal(new_record[_CODE], NONE))
         return tf.group(assignments + [written]), should_apply
 
+    def refuse(self, refused, values):
+        """Records, under XLA, a step its caller refuses before the loss
+        scale moves: `refused` (a bool tensor) writes REFUSED and `values`
+        (up to four int tensors, for `refusal_message`) unless a failure is
+        recorded already. Returns `(op, proceed)`: proceed is False when the
+        step is refused now or halted by an earlier failure."""
+        self.traced = True
+        record = tf.convert_to_tensor(self.variable)
+        clear = tf.equal(record[_CODE], NONE)
+        values = [tf.cast(value, tf.int64) for value in values]
+        values += [tf.zeros([], tf.int64)] * (_SKIPS - _CODE - len(values))
+        refused_record = tf.concat(
+            [tf.constant([REFUSED], tf.int64), tf.stack(values),
+             record[_WARNINGS:]], axis=0)
+        written = self.variable.assign(tf.where(
+            tf.logical_and(clear, refused), refused_record, record))
+        return written, tf.logical_and(clear, tf.logical_not(refused))
+
     def _next_record(self, record, state, new_state, proceed, at_floor):
         """The record after this step (int64 vector)."""
         skips = new_state.consecutive_skips
@@ -202,7 +225,9 @@ class StepRecord:
             failure_policy.FIELDS, values[_SCALE:_SKIPS + 1])
                  if name in self.fields}
         state["current_loss_scale"] = _scale_from_bits(values[_SCALE])
-        return Recorded(int(values[_CODE]), state, int(values[_WARNINGS]),
+        return Recorded(int(values[_CODE]), state,
+                        tuple(int(v) for v in values[_SCALE:_SKIPS + 1]),
+                        int(values[_WARNINGS]),
                         _scale_from_bits(values[_WARN_SCALE]),
                         int(values[_WARN_SKIPS]))
 

@@ -6,6 +6,7 @@ import keras
 
 from tf_lossscale._internal import checks
 from tf_lossscale._internal import versions
+from tf_lossscale.loss_scales import group as group_lib
 from tf_lossscale.monitor import gradient_stats
 from tf_lossscale.monitor import xla_callback
 from tf_lossscale.ops import float16
@@ -32,8 +33,9 @@ class _SkipPrinter:
     (naming the variables that overflowed: one small read), one for the rest
     when the burst ends or has `BURST_SUMMARY_SKIPS` of them."""
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, label=None):
         self._optimizer = optimizer
+        self._who = "" if label is None else f" {label}:"
         self._last = None  # The burst's last skipped step; None: no burst.
         self._rest = None  # [skips, first step, scale before, after] unprinted.
 
@@ -63,13 +65,14 @@ class _SkipPrinter:
         named = ", ".join(paths[:_MAX_NAMED_VARIABLES])
         if len(paths) > _MAX_NAMED_VARIABLES:
             named += f" and {len(paths) - _MAX_NAMED_VARIABLES} more"
-        print(f"\nLossScaleMonitor: {what}; loss scale {before!r} -> "
-              f"{after!r}; non-finite gradients: {named or 'none recorded'}")
+        print(f"\nLossScaleMonitor:{self._who} {what}; loss scale "
+              f"{before!r} -> {after!r}; non-finite gradients: "
+              f"{named or 'none recorded'}")
 
     def _print_rest(self):
         skips, first, before, after = self._rest
         self._rest = None
-        print(f"\nLossScaleMonitor: {skips} more skipped step"
+        print(f"\nLossScaleMonitor:{self._who} {skips} more skipped step"
               f"{'s' if skips > 1 else ''} in {_steps(first, self._last)}; "
               f"loss scale {before!r} -> {after!r}")
 
@@ -84,33 +87,69 @@ class _Monitor(xla_callback.FitWatcher):
     """`LossScaleMonitor` on either Keras' Callback (the next class in the
     MRO): `XlaChecks` whose read of the scale after each batch acts."""
 
-    def __init__(self, verbose=False, gradient_stats=False):
-        super().__init__()
+    def __init__(self, verbose=False, gradient_stats=False, *,
+                 optimizers=None):
+        super().__init__(optimizers)
         self.verbose = checks.boolean("verbose", verbose)
         self.gradient_stats = checks.boolean("gradient_stats", gradient_stats)
+        if gradient_stats and self._given is not None and len(
+                self._given) > 1:
+            raise ValueError("gradient_stats=True watches one optimizer's "
+                             "steps; optimizers names "
+                             f"{len(self._given)}")
         self._stats = None
 
     def _read(self):
-        # One device read each, and nothing else: this runs after every batch.
-        # Reading the scale first acts on what XLA steps left to the host.
+        """`({label: scale}, {label: skipped steps})`: one device read each
+        and nothing else, as this runs after every batch; a loss scale
+        several optimizers share (a `LossScaleGroup`'s) is read once. Reading
+        the scale first acts on what XLA steps left to the host."""
+        scales, skipped = {}, {}
         with self._ending_on_error():
-            return (float(self._optimizer.loss_scale()),
-                    int(self._optimizer.skipped_steps))
+            read = {}
+            for label, optimizer in self._watched.items():
+                shared = self._shared[label]
+                if id(shared) not in read:
+                    read[id(shared)] = float(optimizer.loss_scale())
+                scales[label] = read[id(shared)]
+                skipped[label] = int(optimizer.skipped_steps)
+        return scales, skipped
+
+    def _keys(self, label, name):
+        return name if label is None else f"{label}_{name}"
 
     def _log(self, logs):
-        scale, skipped = self._read()
+        scales, skipped = self._read()
         if logs is not None:
-            logs["loss_scale"], logs["skipped_steps"] = scale, skipped
+            if len(set(map(id, self._shared.values()))) == 1:
+                logs["loss_scale"] = next(iter(scales.values()))
+            else:
+                for label, scale in scales.items():
+                    logs[self._keys(label, "loss_scale")] = scale
+            for label, count in skipped.items():
+                logs[self._keys(label, "skipped_steps")] = count
             if self._stats is not None:
                 (logs["grad_underflow_share"],
                  logs["grad_headroom_log2"]) = self._stats.read()
-        return scale, skipped
+            # A model scaled per layer (tf_lossscale.layerwise): each
+            # segment's factor, one more small read.
+            for optimizer in self._watched.values():
+                scaling = getattr(optimizer, "_gradient_scaling", None)
+                if scaling is not None:
+                    logs.update({f"gradient_factor/{name}": value
+                                 for name, value
+                                 in scaling.factor_values().items()})
+        return scales, skipped
 
     def on_train_begin(self, logs=None):
-        self._optimizer = self._begin(act=False)
+        self._watched = self._begin(act=False)
+        self._shared = {label: group_lib.underlying(optimizer.loss_scale)
+                        for label, optimizer in self._watched.items()}
         self._scale, self._skipped = self._read()
         self._step = self._epoch_first_step = 0
-        self._printer = _SkipPrinter(self._optimizer)
+        self._printers = {label: _SkipPrinter(optimizer, label)
+                          for label, optimizer in self._watched.items()}
+        self._optimizer = next(iter(self._watched.values()))
         if self.gradient_stats:
             self._stats = gradient_stats.attach(
                 self._optimizer, float16.float16_variables(self.model),
@@ -127,8 +166,10 @@ class _Monitor(xla_callback.FitWatcher):
         first_step = self._step + 1
         self._step = self._epoch_first_step + self._last_step(batch) + 1
         if self.verbose:
-            self._printer.report(skipped - self._skipped, first_step,
-                                 self._step, self._scale, scale)
+            for label, printer in self._printers.items():
+                printer.report(skipped[label] - self._skipped[label],
+                               first_step, self._step, self._scale[label],
+                               scale[label])
         self._scale, self._skipped = scale, skipped
 
     def _last_step(self, batch):
@@ -151,16 +192,24 @@ class _Monitor(xla_callback.FitWatcher):
             gradient_stats.detach(self._optimizer)
             # So that later steps record nothing.
             self.model.make_train_function(force=True)
-        self._printer.end()
+        for printer in self._printers.values():
+            printer.end()
 
 
 class LossScaleMonitor(_Monitor, xla_callback.EitherKeras,
                        keras.callbacks.Callback):
-    """Adds `loss_scale` and `skipped_steps` to every batch's and epoch's logs.
+    """Adds `loss_scale` and `skipped_steps` to every batch's and epoch's logs
+    (and, for a model scaled per layer, each segment's factor as
+    `gradient_factor/<its first layer>`: `tf_lossscale.layerwise`).
 
     List it before the callbacks that should see the two values (the progress
     bar and `History` always come after it). It costs two small reads from the
     device per batch end, and does what `XlaChecks` does.
+
+    With `optimizers` (a custom `train_step` stepping several optimizers,
+    a GAN's), the logs hold `loss_scale` once when they share one loss scale
+    (a `LossScaleGroup`), else `<label>_loss_scale` for each, and
+    `<label>_skipped_steps` for each optimizer.
 
     Args:
       verbose: if True, print skipped steps, rate-limited (one line for the
@@ -168,12 +217,20 @@ class LossScaleMonitor(_Monitor, xla_callback.EitherKeras,
         counted from 1 at the start of each `fit` call.
       gradient_stats: if True, also add `grad_underflow_share` and
         `grad_headroom_log2`, measured in the train step (which costs that
-        step some work, and a retrace of it when training begins and ends).
+        step some work, and a retrace of it when training begins and ends);
+        for one optimizer only.
+      optimizers: keyword-only; None (the default: the model's optimizer),
+        or the `tf_lossscale.LossScaleOptimizer`s to watch, as a dict of
+        labels to optimizers (`{"d": d_optimizer, "g": g_optimizer}`) or a
+        list (labelled by their names).
 
     Raises:
-      TypeError: `verbose` or `gradient_stats` is not a bool; at the start
-        of training, the model's optimizer is not a
+      TypeError: `verbose` or `gradient_stats` is not a bool, `optimizers`
+        is none of the above or holds another optimizer; at the start of
+        training, with `optimizers=None`, the model's optimizer is not a
         `tf_lossscale.LossScaleOptimizer`.
+      ValueError: `optimizers` is empty or gives two optimizers one label,
+        or `gradient_stats=True` with several optimizers.
 
     With `TF_USE_LEGACY_KERAS=1` the object made is a tf-keras callback
     (`for_tf_keras`).

@@ -14,9 +14,10 @@ from tf_lossscale.loss_scales import xla_record
 from tf_lossscale.step import optimizer_protocol
 
 
-def check_optimizer(optimizer):
-    """Returns `optimizer` if a tf_lossscale wrapper, else raises TypeError,
-    naming the fix when Keras' own wrapper is what `compile` left."""
+def check_optimizer(optimizer, where="model.optimizer"):
+    """Returns `optimizer` if a tf_lossscale wrapper, else raises TypeError
+    naming `where` it was found, and the fix when Keras' own wrapper is what
+    `compile` left."""
     if isinstance(optimizer, optimizer_protocol.ScaledLossProtocol):
         return optimizer
     kind = type(optimizer)
@@ -29,9 +30,34 @@ def check_optimizer(optimizer):
                 "compile")
     raise TypeError(
         "LossScaleMonitor needs a model compiled with a "
-        "tf_lossscale.LossScaleOptimizer, but model.optimizer is "
+        f"tf_lossscale.LossScaleOptimizer, but {where} is "
         f"{checks.summary(optimizer)} of type "
         f"{kind.__module__}.{kind.__qualname__}{hint}")
+
+
+def optimizers_argument(optimizers):
+    """`{label: optimizer}` of a callback's `optimizers` argument (None,
+    a dict of labels to optimizers, or a list of optimizers, labelled by
+    their names), each checked (`check_optimizer`); None for None."""
+    if optimizers is None:
+        return None
+    if isinstance(optimizers, dict):
+        labelled = dict(optimizers)
+    elif isinstance(optimizers, (list, tuple)):
+        labelled = {getattr(opt, "name", str(i)): opt
+                    for i, opt in enumerate(optimizers)}
+    else:
+        raise TypeError("optimizers must be a dict of labels to "
+                        "tf_lossscale.LossScaleOptimizers or a list of them, "
+                        f"got {checks.summary(optimizers)}")
+    if not labelled or len(labelled) != len(optimizers):
+        raise ValueError("optimizers must name at least one optimizer, each "
+                         f"under a label of its own, got "
+                         f"{checks.summary(optimizers)}")
+    for label, optimizer in labelled.items():
+        checks.of_type("an optimizers label", label, str, "a string")
+        check_optimizer(optimizer, f"optimizers[{label!r}]")
+    return labelled
 
 
 class EitherKeras:
@@ -71,35 +97,52 @@ class FitWatcher:
     the watch starts (to trace the step under it) and when it ends after
     such a trace (so that an unwatched `fit` fails before its first step)."""
 
-    def __init__(self):
+    def __init__(self, optimizers=None):
         super().__init__()
-        self._watch = None
+        self._given = optimizers_argument(optimizers)
+        self._watches = []
+
+    def _optimizers(self):
+        """`{label: optimizer}`: those given, or `{None: model.optimizer}`."""
+        if self._given is not None:
+            return self._given
+        return {None: check_optimizer(getattr(self.model, "optimizer", None))}
 
     def _begin(self, act=True):
-        """Checks the model's optimizer, watches the fit and returns the
-        optimizer; with `act`, first acts on what unwatched calls left in
-        its record (raising it)."""
+        """Checks the optimizers, watches the fit and returns them as
+        `{label: optimizer}`; with `act`, first acts on what unwatched calls
+        left in their records (raising it)."""
         model = self.model
-        optimizer = check_optimizer(getattr(model, "optimizer", None))
-        if self._watch is not None:  # Left by a fit that died.
-            self._watch.end()
+        optimizers = self._optimizers()
+        for watch in self._watches:  # Left by a fit that died.
+            watch.end()
+        # One watch per loss scale: a group's optimizers share one.
+        records = {}
+        for optimizer in optimizers.values():
+            records.setdefault(id(xla_record.record_of(optimizer)), optimizer)
         if act:
-            xla_checks.act(optimizer)
-        record = xla_record.record_of(optimizer)
-        if record is not None and record.needs_host and getattr(
-                model, "jit_compile", False) is True:
+            for optimizer in records.values():
+                xla_checks.act(optimizer)
+        if any(record is not None and record.needs_host
+               for record in map(xla_record.record_of, records.values())
+               ) and getattr(model, "jit_compile", False) is True:
             model.make_train_function(force=True)
         train_function = getattr(model, "train_function", None)
-        self._watch = xla_checks.Watch(
+        self._watches = [xla_checks.Watch(
             optimizer, is_live=lambda: getattr(
                 model, "train_function", None) is train_function)
-        self._watch.start()
-        return optimizer
+                         for optimizer in records.values()]
+        for watch in self._watches:
+            watch.start()
+        return optimizers
 
     def _end(self):
-        self._watch.end()
-        if self._watch.traced:
-            self._watch.traced = False
+        traced = False
+        for watch in self._watches:
+            watch.end()
+            traced = traced or watch.traced
+            watch.traced = False
+        if traced:
             self.model.make_train_function(force=True)
 
     @contextlib.contextmanager
@@ -116,7 +159,8 @@ class FitWatcher:
 
     def on_train_batch_end(self, batch, logs=None):
         with self._ending_on_error():
-            xla_checks.act(self.model.optimizer)
+            for optimizer in self._optimizers().values():
+                xla_checks.act(optimizer)
 
     def on_train_end(self, logs=None):
         self._end()
@@ -131,9 +175,16 @@ class XlaChecks(FitWatcher, EitherKeras, keras.callbacks.Callback):
     each executed call of a watched `fit` (one small read; none without
     XLA). The XLA guide says how long a watch lasts and what it costs.
 
+    Args:
+      optimizers: None (the default: the model's optimizer), or the
+        `tf_lossscale.LossScaleOptimizer`s a custom `train_step` steps, as a
+        list or a dict of labels to optimizers (a GAN's two).
+
     Raises:
-      TypeError: at the start of training, the model's optimizer is not a
-        `tf_lossscale.LossScaleOptimizer`.
+      TypeError: `optimizers` is none of the above or holds another
+        optimizer; at the start of training, with `optimizers=None`, the
+        model's optimizer is not a `tf_lossscale.LossScaleOptimizer`.
+      ValueError: `optimizers` is empty or two of them have one label.
 
     With `TF_USE_LEGACY_KERAS=1` the object made is a tf-keras callback
     (`for_tf_keras`).

@@ -74,21 +74,87 @@ def scaled_gradient_stats(grads, scale):
         largest_magnitude(present) * scale])
 
 
-def nonzero_count(float32_grad):
-    """Values of `float32_grad` that are not 0, a float32 scalar."""
-    return tf.reduce_sum(tf.cast(tf.not_equal(_values(float32_grad), 0.0),
-                                 tf.float32))
+def flatten(grads, variables):
+    """The gradients of `variables` (dense, float32, 0 for None) as one
+    vector, each variable's values in turn: per-variable statistics are then
+    a few ops on it (`*_by_variable`), not a few per variable."""
+    return tf.concat([
+        tf.zeros([variable.shape.num_elements()]) if grad is None else
+        # Sparse gradients (embeddings) made dense, to compare position by
+        # position; rows absent from the batch are 0.
+        tf.reshape(tf.cast(tf.convert_to_tensor(grad), tf.float32), [-1])
+        for grad, variable in zip(grads, variables)], axis=0)
 
 
-def underflow_count(float16_grad, float32_grad):
-    """Values lost to float16 underflow, a float32 scalar: where the scaled
-    gradient of a float16 backward pass is zero or subnormal in float16 and
-    the same step's float32 gradient (same shape) is not 0."""
-    lost = tf.logical_and(
-        tf.abs(tf.cast(_values(float16_grad), tf.float32))
-        < FLOAT16_MIN_NORMAL,
-        tf.not_equal(_values(float32_grad), 0.0))
-    return tf.reduce_sum(tf.cast(lost, tf.float32))
+def segment_ids(sizes):
+    """For parts of `sizes` (an int32 vector) laid end to end, the index of
+    the part each position belongs to (`[2, 0, 1]` -> `[0, 0, 2]`)."""
+    # Not tf.repeat: it builds a parts x largest-part mask first.
+    return tf.ragged.row_splits_to_segment_ids(
+        tf.concat([[0], tf.cumsum(sizes)], axis=0))
+
+
+def variable_ids(variables):
+    """The index of the variable each value of `flatten(...)` belongs to."""
+    return segment_ids(tf.constant(
+        [variable.shape.num_elements() for variable in variables], tf.int32))
+
+
+def _by_variable(reduce, values, ids, count):
+    """`reduce` (a sorted segment reduction) of `values` per variable, 0
+    for a variable with no values."""
+    # Sorted segment ops: several times faster than the unsorted ones.
+    reduced = reduce(values, ids)
+    return tf.pad(reduced, [[0, count - tf.shape(reduced)[0]]])
+
+
+def largest_by_variable(flat, ids, count):
+    """Each variable's largest |value| (float32; +inf where one is NaN or
+    +-Inf, 0 for none)."""
+    magnitudes = tf.where(tf.math.is_finite(flat), tf.abs(flat), math.inf)
+    return tf.maximum(
+        _by_variable(tf.math.segment_max, magnitudes, ids, count), 0.0)
+
+
+def nonfinite_by_variable(flat, ids, count):
+    """1.0 for each variable with a NaN or +-Inf value, else 0.0."""
+    return _by_variable(
+        tf.math.segment_max,
+        tf.cast(tf.logical_not(tf.math.is_finite(flat)), tf.float32), ids,
+        count)
+
+
+def nonzero_by_variable(float32_flat, ids, count):
+    """Each variable's values that are not 0 (float32 counts)."""
+    return _by_variable(
+        tf.math.segment_sum,
+        tf.cast(tf.not_equal(float32_flat, 0.0), tf.float32), ids, count)
+
+
+def squares_by_variable(float32_flat, ids, count):
+    """Each variable's squared norm, float64 (float32 squares of values
+    below 1e-19 would underflow)."""
+    return _by_variable(tf.math.segment_sum,
+                        tf.square(tf.cast(float32_flat, tf.float64)), ids,
+                        count)
+
+
+def underflow_by_variable(float16_flat, float32_flat, scale, ids, count):
+    """What float16 underflow loses of each variable's gradient:
+    `(values, squares)`. `values` (float32 counts): where the scaled
+    gradient of a float16 backward pass (`float16_flat`, at loss scale
+    `scale`) is zero or subnormal in float16 and the same step's float32
+    gradient is not 0. `squares` (float64): the squared norm, over those
+    values, of the float32 gradient less the float16 one unscaled: all of it
+    where float16 gave 0, the bits lost where it kept a subnormal."""
+    lost = tf.logical_and(tf.abs(float16_flat) < FLOAT16_MIN_NORMAL,
+                          tf.not_equal(float32_flat, 0.0))
+    difference = tf.where(lost, float32_flat - float16_flat / scale, 0.0)
+    return (
+        _by_variable(tf.math.segment_sum, tf.cast(lost, tf.float32), ids,
+                     count),
+        _by_variable(tf.math.segment_sum,
+                     tf.square(tf.cast(difference, tf.float64)), ids, count))
 
 
 def _innermost_layers(layer):

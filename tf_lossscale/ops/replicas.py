@@ -131,6 +131,22 @@ def all_replicas_true(flag_fn, *args):
                     tf.constant(strategy.num_replicas_in_sync, tf.float32))
 
 
+def each_all_replicas_true(flags_fn, *args):
+    """Returns a bool vector: element i is True iff element i of
+    `flags_fn(*args)` (a bool vector of static length) is True on every
+    replica of every worker.
+
+    Must be called in cross-replica context (or without a strategy); costs
+    one all-reduce of a float32 vector of that length: several flags agreed
+    on for the price of one.
+    """
+    strategy = strategy_in_use()
+    if strategy is None:
+        return flags_fn(*args)
+    return tf.equal(_replica_sum(strategy, flags_fn, args),
+                    tf.constant(strategy.num_replicas_in_sync, tf.float32))
+
+
 def any_replica_true(flags_fn, *args):
     """Returns a bool tensor: element i is True iff element i of
     `flags_fn(*args)` (a bool vector of static length) is True on any replica
@@ -144,3 +160,15 @@ def any_replica_true(flags_fn, *args):
         return flags_fn(*args)
     return _replica_sum(strategy, flags_fn, args) > 0
 
+
+def sum_over_replicas(values_fn, *args):
+    """Returns `values_fn(*args)` (a float32 tensor of static shape) summed
+    over every replica of every worker, with one all-reduce.
+
+    Must be called in cross-replica context (or without a strategy), where
+    each replica evaluates `values_fn` on its own values of `args`.
+    """
+    strategy = strategy_in_use()
+    if strategy is None:
+        return values_fn(*args)
+    return _replica_sum(strategy, values_fn, args)

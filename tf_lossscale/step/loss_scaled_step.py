@@ -11,7 +11,11 @@ gradients to `apply_or_skip`, which
 The unscale, the check and the agreement are the fields of a `StepParts`, so
 the benchmark can replace each. Variables that take their gradient as their
 value (Keras' float8 `overwrite_with_gradient`) get it as computed, as Keras'
-own wrapper does. Under XLA a failed or refused step halts every later one
+own wrapper does. The optimizers of a `LossScaleGroup` take part as its
+members: each step is a member's step (the group moves the scale once per
+iteration); inside a `group.iteration()` block the steps wait for its end,
+where `DeferredStep.run_together` agrees on all of them with one all-reduce
+and applies or skips each. Under XLA a failed or refused step halts every later one
 until the host has acted (`loss_scales.xla_checks`).
 """
 
@@ -22,6 +26,7 @@ from typing import Callable, NamedTuple
 import tensorflow as tf
 
 from tf_lossscale._internal import checks
+from tf_lossscale.loss_scales import group as group_lib
 from tf_lossscale.loss_scales import xla_record
 from tf_lossscale.ops import finiteness
 from tf_lossscale.ops import float16
@@ -190,11 +195,69 @@ def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record,
 
 def _cross_replica_step(loss_scale, apply_fn, skip_record, stats, parts,
                         grads, variables):
+    if isinstance(loss_scale, group_lib.GroupMember):
+        group = loss_scale.group
+        block = group.deferring_block()
+        if block is not None:
+            group.defer(block, loss_scale, DeferredStep(
+                loss_scale, apply_fn, skip_record, stats, parts or FULL_STEP,
+                grads, variables))
+            return _done([])
     # Before the update, which waits for them: the statistics are of the
     # scale the step ran with.
     stats_op = None if stats is None else stats.write(grads, loss_scale)
     with tf.control_dependencies([] if stats_op is None else [stats_op]):
         update_op, should_apply = update_loss_scale(loss_scale, grads, parts)
+    step = _apply_or_skip_branch(loss_scale, should_apply, apply_fn,
+                                 skip_record, grads, variables)
+    if tf.executing_eagerly():
+        return None
+    return tf.group([op for op in (update_op, step) if op is not None])
+
+
+class DeferredStep(NamedTuple):
+    """An optimizer's step inside a `group.iteration()` block, waiting for
+    its end: what `apply_or_skip` was given (cross-replica values)."""
+    member: object  # The optimizer's `GroupMember`.
+    apply_fn: Callable
+    skip_record: object
+    stats: object
+    parts: StepParts
+    grads: list
+    variables: list
+
+    @classmethod
+    def run_together(cls, group, steps):
+        """Cross-replica context: the block's `steps` as one iteration: one
+        all-reduce agrees on each step's finiteness flag, the group takes
+        the iteration's step, and each step applies or skips."""
+        stats_ops = [step.stats.write(step.grads, step.member)
+                     for step in steps if step.stats is not None]
+        with tf.control_dependencies([op for op in stats_ops
+                                      if op is not None]):
+            if steps[0].member._needs_finiteness:  # pylint: disable=protected-access
+                agreed = replicas.each_all_replicas_true(
+                    lambda *grads: tf.stack([
+                        step.parts.check(g) for step, g in zip(steps, grads)]),
+                    *[step.grads for step in steps])
+                flags = tf.unstack(agreed, num=len(steps))
+            else:
+                flags = [tf.constant(True)] * len(steps)
+            update_op, should_apply = group.step(
+                [step.member for step in steps], flags, ends_now=True)
+        branches = [
+            _apply_or_skip_branch(step.member, should, step.apply_fn,
+                                  step.skip_record, step.grads, step.variables)
+            for step, should in zip(steps, should_apply)]
+        if tf.executing_eagerly():
+            return None
+        return tf.group([op for op in [update_op, *branches] if op is not None])
+
+
+def _apply_or_skip_branch(loss_scale, should_apply, apply_fn, skip_record,
+                          grads, variables):
+    """Cross-replica context: applies in every replica if `should_apply`,
+    else writes `skip_record`; returns what to wait on (None eagerly)."""
 
     def apply_in_every_replica():
         results = replicas.call_for_each_replica(apply_fn, grads,
@@ -219,12 +282,8 @@ def _cross_replica_step(loss_scale, apply_fn, skip_record, stats, parts,
         skip = lambda: tf.cond(halted, lambda: _done([]), record_skip)  # pylint: disable=unnecessary-lambda-assignment
 
     if isinstance(should_apply, bool):
-        step = apply_in_every_replica() if should_apply else skip()
-    else:
-        step = tf.cond(should_apply, apply_in_every_replica, skip)
-    if tf.executing_eagerly():
-        return None
-    return tf.group([op for op in (update_op, step) if op is not None])
+        return apply_in_every_replica() if should_apply else skip()
+    return tf.cond(should_apply, apply_in_every_replica, skip)
 
 
 def _done(ops):

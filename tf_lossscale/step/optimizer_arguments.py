@@ -1,14 +1,19 @@
 """How the optimizer wrappers read their loss-scale and Keras arguments.
 
-`resolve_loss_scale`: the `LossScale` of any wrapper's arguments, ours or
-Keras' and tf-keras' (under the names the caller typed, in tf-keras'
-phrases); `check_base_optimizer_arguments`: what Keras writes into saved
+`resolve_loss_scale`: the `LossScale` (or `LossScaleGroup`) of any wrapper's
+arguments, ours or Keras' and tf-keras' (under the names the caller typed, in
+tf-keras' phrases); `claim`: the loss scale a wrapper then holds (a group's
+new member), with the warning for two wrappers on one loss scale;
+`check_base_optimizer_arguments`: what Keras writes into saved
 configs; `InnerHyperparameters`: the Keras 3 wrapper's hyperparameters,
 which are its inner optimizer's.
 """
 
+import warnings
+
 from tf_lossscale._internal import checks
 from tf_lossscale.loss_scales import dynamic_loss_scale
+from tf_lossscale.loss_scales import group as group_lib
 from tf_lossscale.loss_scales import loss_scale as loss_scale_lib
 from tf_lossscale.loss_scales import serialization
 
@@ -80,6 +85,60 @@ def resolve_loss_scale(loss_scale, dynamic=None, initial_scale=None,
         checks.positive_int("dynamic_growth_steps", dynamic_growth_steps)
         given["increment_period"] = dynamic_growth_steps
     return dynamic_loss_scale.DynamicLossScale(multiplier=2.0, **given)
+
+
+def _name_of(optimizer):
+    name = getattr(optimizer, "name", None)
+    if not isinstance(name, str) and hasattr(optimizer, "get_name"):
+        name = optimizer.get_name()  # A TF1 optimizer's.
+    return f"{type(optimizer).__name__} {name!r}"
+
+
+def claim(loss_scale, owner):
+    """The loss scale the wrapper `owner` holds, from `resolve_loss_scale`'s:
+    for a `LossScaleGroup`, a new member of it; else the loss scale itself,
+    with a `SharedLossScaleWarning` if it has state and another living
+    wrapper holds it (each would count its own steps as the scale's).
+
+    Raises, before anything is changed:
+      ValueError: `loss_scale` belongs to a group (give the group) or is a
+        member another wrapper holds, or the group cannot take the wrapper
+        (`LossScaleGroup.check_joinable`).
+    """
+    if isinstance(loss_scale, group_lib.LossScaleGroup):
+        member = loss_scale.join(owner)
+        loss_scale_lib.add_holder(member, owner)
+        return member
+    if not isinstance(loss_scale, loss_scale_lib.LossScale):
+        return loss_scale  # TensorFlow's own, in the TF1 wrapper.
+    group = group_lib.group_of(loss_scale)
+    if group is not None:
+        raise ValueError(
+            f"loss_scale={loss_scale!r} is the loss scale of a LossScaleGroup"
+            ": give the optimizer the group itself (loss_scale=group), which "
+            "moves the scale once per iteration of all its optimizers")
+    holders = loss_scale_lib.holders(loss_scale)
+    if holders and isinstance(loss_scale, group_lib.GroupMember):
+        raise ValueError(
+            f"loss_scale={loss_scale!r} is the group member of "
+            f"{_name_of(holders[0])}; give each optimizer the "
+            "LossScaleGroup itself (loss_scale=group): each gets a member")
+    if isinstance(loss_scale, group_lib.GroupMember):
+        loss_scale.adopt(owner)  # Joined by hand: its optimizer is `owner`.
+    if holders and loss_scale.variables:
+        others = ", ".join(_name_of(holder) for holder in holders)
+        warnings.warn(
+            f"This optimizer gets the {type(loss_scale).__name__} that "
+            f"{others} holds already. Each optimizer's step is then a step of "
+            "the loss scale: it moves once per optimizer step, not once per "
+            "training iteration (with increment_period=N and two optimizers "
+            "stepping every iteration it grows after N/2 iterations), and "
+            "their checkpoints hold it twice. To share one loss scale, give "
+            "every optimizer a tf_lossscale.LossScaleGroup(loss_scale) "
+            "instead (docs/guides/several-optimizers.md).",
+            checks.SharedLossScaleWarning, stacklevel=checks.user_stacklevel())
+    loss_scale_lib.add_holder(loss_scale, owner)
+    return loss_scale
 
 
 # Hyperparameters read on every step read and write the inner optimizer's,

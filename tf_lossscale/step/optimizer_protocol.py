@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from tf_lossscale._internal import checks
 from tf_lossscale.loss_scales import dynamic_loss_scale
+from tf_lossscale.loss_scales import group as group_lib
 from tf_lossscale.loss_scales import serialization
 from tf_lossscale.ops import finiteness
 from tf_lossscale.ops import unscaling
@@ -53,8 +54,16 @@ class ScaledLossProtocol:
 
     @property
     def loss_scale(self):
-        """The `tf_lossscale.LossScale`; call it for the current scale."""
+        """The `tf_lossscale.LossScale`; call it for the current scale. With
+        a `LossScaleGroup`, the optimizer's `GroupMember` of it."""
         return self._loss_scale
+
+    @property
+    def loss_scale_group(self):
+        """The `LossScaleGroup` the optimizer is in, or None."""
+        member = self._loss_scale
+        return member.group if isinstance(member, group_lib.GroupMember) else (
+            None)
 
     @property
     def skipped_steps(self):
@@ -64,7 +73,8 @@ class ScaledLossProtocol:
     @property
     def dynamic(self):
         """Whether the loss scale is dynamic (a `DynamicLossScale`)."""
-        return isinstance(self._loss_scale, dynamic_loss_scale.DynamicLossScale)
+        return isinstance(group_lib.underlying(self._loss_scale),
+                          dynamic_loss_scale.DynamicLossScale)
 
     @property
     def dynamic_scale(self):
@@ -78,12 +88,13 @@ class ScaledLossProtocol:
 
     @property
     def initial_scale(self):
-        config = self._loss_scale.get_config()
+        config = group_lib.underlying(self._loss_scale).get_config()
         return config.get("initial_loss_scale", config.get("loss_scale_value"))
 
     @property
     def dynamic_growth_steps(self):
-        return self._loss_scale.get_config().get("increment_period")
+        return group_lib.underlying(self._loss_scale).get_config().get(
+            "increment_period")
 
     def scale_loss(self, loss):
         """Keras 3 protocol: returns `loss * scale`; `apply_gradients` then

@@ -67,8 +67,10 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
         checks.of_type("name", name, (str, type(None)), "a string or None")
         optimizer_arguments.check_base_optimizer_arguments(kwargs)
         _check_strategy()  # As tf-keras' wrapper; before the scale is made.
-        resolved = optimizer_arguments.resolve_loss_scale(
-            loss_scale, dynamic, initial_scale, dynamic_growth_steps)
+        resolved = optimizer_arguments.claim(
+            optimizer_arguments.resolve_loss_scale(
+                loss_scale, dynamic, initial_scale, dynamic_growth_steps),
+            self)
         # First: the legacy class's __setattr__ reads the inner optimizer.
         self._optimizer = inner_optimizer
         # tf-keras' flag: every wrapper, tf-keras' own too, now refuses it.

@@ -1,0 +1,71 @@
+"""`GradientScaling`: the layer at a segment boundary of a scaled model.
+
+Forward it is the identity. Backward it multiplies the gradient coming down
+from segment `consumer` by F_producer / F_consumer, in float32, before the
+gradient enters segment `producer`: so each segment's backward pass runs at
+its own scale S * F. It computes in the wider of the two sides' dtypes, so
+that a gradient leaving a float32 layer is rescaled before it is rounded to
+float16, not after.
+"""
+
+import keras
+import tensorflow as tf
+
+
+@tf.custom_gradient
+def _rescaled_backward(x, ratio):
+    """`x`; its gradient is multiplied by `ratio` (a float32 scalar)."""
+
+    def grad(upstream):
+        wide = tf.cast(upstream, tf.float32) * ratio
+        return tf.cast(wide, upstream.dtype), None
+
+    return tf.identity(x), grad
+
+
+@keras.saving.register_keras_serializable(package="tf_lossscale")
+class GradientScaling(keras.layers.Layer):
+    """Identity forward; backward, the gradient times F_producer / F_consumer.
+
+    Made by `tf_lossscale.layerwise.scale_per_layer`, which puts one on every
+    edge of the model's graph between two segments; the factors are the
+    `LayerwiseModel`'s, bound to the layer when that model is made. Unbound
+    (in a model of another class) its gradient passes unchanged.
+
+    Args:
+      producer: the index of the segment whose output comes in.
+      consumer: the index of the segment the output goes to.
+      **kwargs: Keras layer arguments (`name`, `dtype`).
+    """
+
+    def __init__(self, producer, consumer, **kwargs):
+        super().__init__(**kwargs)
+        self.producer = int(producer)
+        self.consumer = int(consumer)
+        self.supports_masking = True
+        # Not tracked: the factors are the model's variables, saved there.
+        object.__setattr__(self, "_factors", None)
+
+    def bind(self, factors):
+        """Called by the model that holds the factors: `factors(k)` is
+        segment k's factor, a float32 scalar tensor, or None for 1."""
+        object.__setattr__(self, "_factors", factors)
+
+    def call(self, inputs):
+        factors = self._factors
+        if factors is None:
+            return tf.identity(inputs)
+        # The top segment's factor is 1 (None).
+        ratio, below = factors(self.producer), factors(self.consumer)
+        if ratio is None:
+            ratio = 1.0 / below
+        elif below is not None:
+            ratio = ratio / below
+        return _rescaled_backward(inputs, ratio)
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def get_config(self):
+        return {**super().get_config(), "producer": self.producer,
+                "consumer": self.consumer}

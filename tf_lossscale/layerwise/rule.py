@@ -1,0 +1,157 @@
+"""The rule that moves the factors of per-layer gradient scaling.
+
+A scaled model is cut into segments, numbered from its inputs to its output;
+the last, the top, is scaled by the loss scale S alone, every segment k below
+it by S * F_k, so each segment's gradients can sit where float16 holds them.
+State per lower segment k (vectors, one element a segment): the factor F_k
+(float32), its margin M_k in [2**-24, 1] (float32) and good steps G_k
+(int64). One step, from what every replica and worker agreed on:
+
+* Blame: the segment nearest the top whose gradients are not finite. A NaN
+  or Inf runs down the backward pass into every segment below the one where
+  it appeared, so only that segment's scale is known to be too high; the
+  segments below it learn nothing this step (their state is kept), those
+  above it had a finite step.
+* Margins: TensorFlow's dynamic rule (`dynamic_rule.next_dynamic_state`,
+  multiplier 2, `increment_period`) on the margins of the segments that
+  learned something: the blamed one halves its margin, those above count a
+  good step and double theirs after `increment_period` of them, up to 1.
+* Alignment, on a step whose gradients are all finite: A_k = 2**floor(
+  log2(u_top / u_k)), u being the largest magnitude of a segment's unscaled
+  gradients (over replicas, the geometric mean of their largest): the factor
+  that puts the segment's largest gradient level with the top's, wherever
+  the dynamic S puts that. A segment whose gradients were all 0 while the
+  top's were not (flushed to 0, or none) climbs 8 binades a step (all below
+  float16's smallest subnormal, they cannot overflow there); without
+  figures, A_k is kept. A_k = F_k / M_k is not stored.
+* F_k = clip(A_k * M_k, min_factor, max_factor).
+* S's flag: finite, unless the top's gradients were not finite, or the
+  blamed segment is not scaled above the top (F_k <= 1: S itself is too
+  high for it) or can back off no further (its margin or factor at its
+  floor): then S backs off, under S's own failure policy, and the blamed
+  segment's margin is kept.
+
+With `min_factor == max_factor == 1` every F_k stays 1 and S's flag is the
+step's all-finite flag: the single-scale rule, bit for bit. Why statistics
+and a margin, and not one of the two alone: docs/guides/per-layer-scaling.md.
+"""
+
+from typing import NamedTuple
+
+import tensorflow as tf
+
+from tf_lossscale._internal import checks
+from tf_lossscale.loss_scales import dynamic_rule
+
+# The margin's floor: below it a segment is scaled less than the whole of
+# float16's range (2**-24 to 2**16) below its alignment.
+MIN_MARGIN = 2.0 ** -24
+_MAX_MARGIN = 1.0
+# A segment without figures (its gradients all 0) climbs this much a step.
+_CLIMB = 2.0 ** 8
+
+
+class FactorRule(NamedTuple):
+    """The checked arguments of the factor rule."""
+    increment_period: int = 2000
+    min_factor: float = 2.0 ** -40
+    max_factor: float = 2.0 ** 40
+
+    def margin_rule(self):
+        return dynamic_rule.DynamicRule(
+            increment_period=self.increment_period, multiplier=2.0,
+            min_loss_scale=MIN_MARGIN, max_loss_scale=_MAX_MARGIN)
+
+    def get_config(self):
+        return dict(self._asdict())
+
+
+def checked_rule(increment_period=2000, min_factor=2.0 ** -40,
+                 max_factor=2.0 ** 40):
+    """A `FactorRule` from user arguments.
+
+    Raises:
+      TypeError, ValueError: naming the argument and the value.
+    """
+    period = checks.positive_int("increment_period", increment_period)
+    low = checks.finite_float32("min_factor", min_factor, above=0)
+    high = checks.finite_float32("max_factor", max_factor, above=0)
+    if high < low:
+        raise ValueError(
+            f"max_factor must be >= min_factor, got max_factor={max_factor!r}"
+            f" and min_factor={min_factor!r}")
+    return FactorRule(period, low, high)
+
+
+class FactorState(NamedTuple):
+    """Vectors over the lower segments: F (float32), M (float32), G (int64)."""
+    factors: tf.Tensor
+    margins: tf.Tensor
+    good_steps: tf.Tensor
+
+
+class Figures(NamedTuple):
+    """What the replicas agreed on for one step.
+
+    nonfinite: bool vector over every segment (the top last): its gradients
+      held NaN or Inf on some replica.
+    informed: bool vector over the lower segments: some replica measured
+      both the segment's largest gradient and the top's as > 0.
+    top_measured: bool scalar: some replica measured the top's as > 0.
+    log2_ratio: float32 vector over the lower segments: log2(u_top / u_k),
+      averaged over the informed replicas (0 where none was).
+    """
+    nonfinite: tf.Tensor
+    informed: tf.Tensor
+    top_measured: tf.Tensor
+    log2_ratio: tf.Tensor
+
+
+def next_factor_state(state, figures, rule):
+    """One step of the factor rule as a pure function of tensors, without
+    branches (the same code eagerly, in graphs and under XLA).
+
+    Args:
+      state: the `FactorState` read this step.
+      figures: the step's `Figures`.
+      rule: a `FactorRule`.
+
+    Returns:
+      `(new_state, top_finite)`: the next `FactorState`, and the flag the
+      loss scale S is updated with (a bool scalar).
+    """
+    nonfinite = figures.nonfinite
+    lower = tf.shape(state.factors)[0]
+    all_finite = tf.logical_not(tf.reduce_any(nonfinite))
+    # Blame: the highest non-finite segment (-1: none).
+    indices = tf.range(lower + 1)
+    blamed = tf.reduce_max(tf.where(nonfinite, indices, -1))
+    lower_indices = indices[:-1]
+    known = lower_indices >= blamed
+    finite = tf.logical_not(nonfinite[:-1])
+
+    moved, at_floor = dynamic_rule.next_dynamic_state(
+        dynamic_rule.DynamicState(state.margins, state.good_steps),
+        finite, rule.margin_rule())
+    # S backs off for the top, and for a blamed segment whose own scale
+    # cannot: its margin was at its floor, or its factor is; or it is not
+    # scaled above the top (F <= 1): S itself is too high for it, and the
+    # next batches would find the same of every segment, one at a time.
+    blamed_lower = tf.equal(lower_indices, blamed)
+    stuck = tf.logical_and(blamed_lower, tf.logical_or(
+        at_floor, state.factors <= tf.maximum(rule.min_factor, 1.0)))
+    learned = tf.logical_and(known, tf.logical_not(stuck))
+    margins = tf.where(learned, moved.scale, state.margins)
+    good_steps = tf.where(learned, moved.good_steps, state.good_steps)
+
+    alignment = state.factors / state.margins
+    climbed = tf.where(figures.top_measured, alignment * _CLIMB, alignment)
+    aligned = tf.where(figures.informed,
+                       tf.pow(2.0, tf.floor(figures.log2_ratio)), climbed)
+    alignment = tf.where(all_finite, aligned, alignment)
+    factors = tf.clip_by_value(alignment * margins, rule.min_factor,
+                               rule.max_factor)
+
+    top_finite = tf.logical_not(
+        tf.logical_or(nonfinite[-1], tf.reduce_any(stuck)))
+    return FactorState(factors, margins, good_steps), top_finite
