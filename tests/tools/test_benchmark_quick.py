@@ -20,6 +20,7 @@ import loss_scale_benchmark  # pylint: disable=g-import-not-at-top,wrong-import-
 from lsbench import ablations  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench import gradient_sets  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import fit_step  # pylint: disable=g-import-not-at-top,wrong-import-position
+from lsbench.sections import step_ops  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
 
@@ -37,12 +38,13 @@ def test_quick_benchmark_reports_every_section_and_a_verdict_per_target(
     assert list(quick_benchmark.report.results) == [
         section.NAME for section in loss_scale_benchmark.SECTIONS]
     # One target per gradient set in `check` and one more per large set,
-    # one per set in `apply`, two in `fit` (the wrapper's overhead and the
-    # monitor's), one in `xla`, one in `layerwise` (its demonstration).
+    # one per set in `apply`, one in `ops` (quick runs compile one set), two
+    # in `fit` (the wrapper's overhead and the monitor's), one in `xla`, one
+    # in `layerwise` (its demonstration).
     sets = gradient_sets.gradient_sets(quick=True)
     large = sum(gradient_sets.is_large(s) for s in sets.values())
     assert 1 <= large < len(sets)  # Both of `check`'s kinds of set.
-    expected = len(sets) + large + len(sets) + 2 + 1 + 1
+    expected = len(sets) + large + len(sets) + 1 + 2 + 1 + 1
     assert len(verdicts) == expected
     for description, _ in verdicts:
         assert f"target {description}:" in text
@@ -54,6 +56,28 @@ def test_quick_benchmark_reports_every_section_and_a_verdict_per_target(
         assert f"\n| {ablation.feature}" in features, ablation.feature
     for section in loss_scale_benchmark.SECTIONS:
         assert f"**{section.TITLE}" in markdown, section.NAME
+
+
+@pytest.mark.xdist_group("quick_benchmark")
+def test_ops_section_counts_ops_and_kernels_of_every_form_on_every_set(
+        quick_benchmark):
+    counts = quick_benchmark.report.results[step_ops.NAME]
+    assert list(counts) == [*gradient_sets.gradient_sets(quick=True),
+                            "fit MLP"]
+    for index, (set_name, forms) in enumerate(counts.items()):
+        assert list(forms) == list(step_ops.FORMS), set_name
+        for form, (ops, launches) in forms.items():
+            case = f"{set_name}: {form}"
+            assert isinstance(ops, int) and ops > 0, case
+            if index > 0:  # Quick runs compile the first set alone.
+                assert launches is None, case
+                continue
+            assert isinstance(launches.kernels, int), case
+            assert launches.kernels > launches.conditionals >= 0, case
+            assert launches.kernels == sum(launches.by_opcode.values()), case
+    table = next(t for t in quick_benchmark.report.tables
+                 if t.title == step_ops.TITLE)
+    assert [row[0] for row in table.rows] == list(counts)
 
 
 def test_only_runs_the_sections_named_and_refuses_unknown_ones():

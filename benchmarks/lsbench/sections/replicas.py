@@ -92,5 +92,7 @@ def _child(settings_json):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+    # lsbench, and the package of this checkout (as the runner imports it).
+    sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[i])
+                    for i in (2, 3)]
     _child(sys.argv[1])
