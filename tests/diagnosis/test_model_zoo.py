@@ -29,7 +29,6 @@ the session's tf-keras process.
 """
 
 import functools
-import time
 
 import keras
 import numpy as np
@@ -82,17 +81,6 @@ CULPRITS = {
     ("bert", model_zoo.HUGE_EMBEDDINGS): "transformer_layer_0",
 }
 
-# CPU seconds of each set-up, for the report at the end of the file's run.
-TIMES = {}
-
-
-def _timed(key, fn, *args, **kwargs):
-    start = time.process_time()
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        TIMES[key] = time.process_time() - start
-
 
 def _needs(name):
     if name == "bert":
@@ -129,13 +117,11 @@ def _case(name, fault):
     set), its data, its initial weights, its report (or the exception
     `diagnose` raised)."""
     zoo_model = model_zoo.ZOO[name]
-    model = _timed((name, fault, "build"), zoo_model.build, keras, fault)
+    model = zoo_model.build(keras, fault)
     data = zoo_model.data(0, fault)
     case = {"model": model, "data": data, "weights": model.get_weights()}
     try:
-        case["report"] = _timed((name, fault, "diagnose"),
-                                tf_lossscale.diagnose, model, data,
-                                **DIAGNOSE)
+        case["report"] = tf_lossscale.diagnose(model, data, **DIAGNOSE)
     except Exception as err:  # pylint: disable=broad-except
         case["report"] = err
     return case
@@ -157,7 +143,7 @@ def _fixed(name, fault):
     report = _report(name, fault)
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
-        return _timed((name, fault, "fix"), report.fix, case["model"])
+        return report.fix(case["model"])
     except Exception as err:  # pylint: disable=broad-except
         return err
 
@@ -179,8 +165,7 @@ def _reference(name, fault):
     try:
         twin = model_zoo.float32_twin(model_zoo.ZOO[name], keras,
                                       case["weights"], fault)
-        return _timed((name, fault, "float32 run"), model_zoo.train, twin,
-                      case["data"], STEPS)
+        return model_zoo.train(twin, case["data"], STEPS)
     finally:
         keras.mixed_precision.set_global_policy(policy)
 
@@ -193,15 +178,13 @@ def _float16_run(name, fault):
     model = model_zoo.ZOO[name].build(keras, fault)
     for built, initial in zip(model.get_weights(), case["weights"]):
         np.testing.assert_array_equal(built, initial)
-    return _timed((name, fault, "float16 run"), model_zoo.train, model,
-                  case["data"], STEPS)
+    return model_zoo.train(model, case["data"], STEPS)
 
 
 @functools.cache
 def _fixed_run(name, fault):
-    return _timed((name, fault, "fixed run"), model_zoo.train,
-                  _fixed_model(name, fault), _case(name, fault)["data"],
-                  STEPS)
+    return model_zoo.train(_fixed_model(name, fault),
+                           _case(name, fault)["data"], STEPS)
 
 
 # Healthy models.
@@ -235,8 +218,7 @@ def _per_layer_run(name):
     """The model as built, scaled per layer (`scale_per_layer`), trained."""
     model = model_zoo.ZOO[name].build(keras, None)
     scaled = tf_lossscale.layerwise.scale_per_layer(model)
-    return _timed((name, None, "per-layer run"), model_zoo.train, scaled,
-                  _case(name, None)["data"], STEPS)
+    return model_zoo.train(scaled, _case(name, None)["data"], STEPS)
 
 
 @pytest.mark.parametrize("name", _cases("mobilenet_v2", "transformer"))
