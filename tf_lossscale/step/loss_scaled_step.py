@@ -13,12 +13,13 @@ the benchmark can replace each. Under XLA, large gradients are divided in
 the apply branch (`unscaling.Quotient`), where the division fuses into the
 optimizer's update, and the check reads them as scaled. Variables that take
 their gradient as their value (Keras' float8 `overwrite_with_gradient`) get
-it as computed, as Keras' own wrapper does. The optimizers of a `LossScaleGroup` take part as its
-members: each step is a member's step (the group moves the scale once per
-iteration); inside a `group.iteration()` block the steps wait for its end,
-where `DeferredStep.run_together` agrees on all of them with one all-reduce
-and applies or skips each. Under XLA a failed or refused step halts every later one
-until the host has acted (`loss_scales.xla_checks`).
+it as computed, as Keras' own wrapper does. The optimizers of a
+`LossScaleGroup` take part as its members: each step is a member's step (the
+group moves the scale once per iteration); inside a `group.iteration()`
+block the steps wait for its end, where `DeferredStep.run_together` agrees
+on all of them with one all-reduce and applies or skips each. Under XLA a
+failed or refused step halts every later one until the host has acted
+(`loss_scales.xla_checks`).
 """
 
 import contextlib
