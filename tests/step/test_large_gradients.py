@@ -8,9 +8,7 @@ The cases: a scale that is a power of two, a fixed one that is not, a
 dynamic scale below 1 (allowed by `min_loss_scale`) whose quotient overflows
 where the scaled value did not, NaN and -Inf. Eagerly, in a `tf.function`,
 under XLA and under a MirroredStrategy of two replicas; the Keras 3 and
-tf-keras wrappers. Under XLA the step divides them in its apply branch
-(`unscaling.Quotient`) and checks them as scaled, which is exact only for
-scales >= 1: the scale below 1 pins the re-check of the quotients.
+tf-keras wrappers.
 """
 
 import keras
@@ -22,9 +20,6 @@ import tf_keras
 from tests.helpers import reference_oracle as oracle
 from tests.helpers import training
 import tf_lossscale
-from tf_lossscale.ops import finiteness
-from tf_lossscale.ops import unscaling
-from tf_lossscale.step import loss_scaled_step
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
 
@@ -130,56 +125,6 @@ def test_a_step_whose_quotients_are_not_finite_is_skipped(case, mode):
     assert int(optimizer.skipped_steps) == 1
     assert float(loss_scale()) == scale / 2
     assert optimizer.last_nonfinite_variables() == ["large"]
-
-
-@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf_function"])
-@pytest.mark.parametrize("scale", [2.0 ** 15, 0.5, 3e-39],
-                         ids=["above_one", "below_one", "subnormal"])
-def test_all_finite_of_quotients_is_the_verdict_on_dividing_first(
-        scale, traced):
-    largest = np.finfo(np.float32).max
-    check = tf.function(finiteness.all_finite) if traced else (
-        finiteness.all_finite)
-    for planted in (None, 1.0, largest, np.inf, np.nan):
-        grads = [tf.constant(np.full((300, 300), 1.5, np.float32))]
-        if planted is not None:
-            grads = [tf.tensor_scatter_nd_update(
-                grads[0], [[3, 4]], [np.float32(planted)])]
-        quotients = unscaling.unscale(grads, tf.constant(scale, tf.float32),
-                                      defer=True)
-        assert isinstance(quotients[0], unscaling.Quotient)
-        expected = oracle.numpy_all_finite(
-            [oracle.reference_unscale(grads[0], scale).numpy()])
-        assert bool(check(quotients)) == expected, planted
-
-
-def test_unscale_defers_only_large_dense_gradients_when_asked():
-    grads = [tf.ones([300, 300]), tf.ones([256, 256]), tf.ones([7]),
-             tf.IndexedSlices(tf.ones([300, 300]), tf.range(300)), None]
-    unscaled = unscaling.unscale(grads, tf.constant(4.0), defer=True)
-    assert [type(g).__name__ for g in unscaled] == [
-        "Quotient", "EagerTensor", "EagerTensor", "IndexedSlices", "NoneType"]
-    assert all(not isinstance(g, unscaling.Quotient)
-               for g in unscaling.unscale(grads, tf.constant(4.0)))
-    _assert_same_values([unscaled[0].value()],
-                        [oracle.reference_unscale(grads[0], 4.0)])
-
-
-@pytest.mark.parametrize("mode", _MODES)
-def test_the_step_defers_large_gradients_under_xla_only(mode):
-    variables = _variables()
-    kinds = []
-
-    def unscale():
-        unscaled = loss_scaled_step.unscale_for_apply(
-            _scaled_gradients(4.0), variables, tf.constant(4.0))
-        kinds.extend(type(g).__name__ for g in unscaled)
-        return [unscaling.resolve(unscaled)]
-
-    _run(unscale, mode)
-    large, middle, small = kinds
-    assert (large == "Quotient") == (mode == "xla")
-    assert "Quotient" not in (middle, small)
 
 
 def _mirrored_step(make_optimizer, per_replica_scaled, unscale_first, scale):

@@ -93,10 +93,9 @@ def _unscale(grads, variables, scale, segments, scales):
     for segment, indices in _by_segment(segments).items():
         factor = scales(segment)
         divisor = scale if factor is None else scale * factor
-        # Divided now: the segment figures read each quotient's magnitude.
         for index, grad in zip(indices, loss_scaled_step.unscale_for_apply(
                 [grads[i] for i in indices], [variables[i] for i in indices],
-                divisor, defer=False)):
+                divisor)):
             unscaled[index] = grad
     return unscaled
 

@@ -11,15 +11,12 @@ re-checks them exactly, in a `tf.cond` (docs/guides/performance.md).
 
 Gradients: a tensor or any nested structure of dense tensors,
 `tf.IndexedSlices` (values checked) and `None` (ignored), in float16,
-bfloat16, float32 or float64; and, in a list, `unscaling.Quotient`s, each
-checked as its quotient. No gradients at all count as finite.
+bfloat16, float32 or float64. No gradients at all count as finite.
 """
 
 import collections
 
 import tensorflow as tf
-
-from tf_lossscale.ops import unscaling
 
 # Stacking cuts the check's ops by a third or more where models have many
 # small gradients; above this size, the sum is faster than `is_finite`.
@@ -102,30 +99,12 @@ def _through_splits(values):
     return rest
 
 
-def _sum_check(large, quotients):
+def _sum_check(large):
     # A float64 sum beyond float32 becomes inf here: a "maybe", as is any
     # overflow, which the exact branch settles.
-    total = tf.add_n([tf.cast(tf.reduce_sum(v), tf.float32)
-                      for v in large + [q.scaled for q in quotients]])
-    trusted = tf.math.is_finite(total)
-    # Divided by a scale >= 1, a finite value stays finite and NaN or +-Inf
-    # stay non-finite: the scaled values' verdict is the quotients'. Below 1
-    # (or a NaN scale) a quotient may overflow: the exact branch divides.
-    scales = {id(q.scale): q.scale for q in quotients}
-    for scale in scales.values():
-        trusted = tf.logical_and(trusted, tf.cast(scale, tf.float32) >= 1)
-    return tf.cond(trusted, lambda: tf.constant(True), lambda: _conjunction(
-        [is_finite(v) for v in large + unscaling.resolve(quotients)]))
-
-
-def _quotients_apart(grads):
-    """`(grads without their Quotients, the Quotients)`."""
-    if isinstance(grads, unscaling.Quotient):
-        return [], [grads]
-    if not isinstance(grads, (list, tuple)):
-        return grads, []
-    return ([g for g in grads if not isinstance(g, unscaling.Quotient)],
-            [g for g in grads if isinstance(g, unscaling.Quotient)])
+    total = tf.add_n([tf.cast(tf.reduce_sum(v), tf.float32) for v in large])
+    return tf.cond(tf.math.is_finite(total), lambda: tf.constant(True),
+                   lambda: _conjunction([is_finite(v) for v in large]))
 
 
 def all_finite(grads):
@@ -134,14 +113,13 @@ def all_finite(grads):
     Raises:
       TypeError: a gradient is not a floating-point tensor.
     """
-    grads, quotients = _quotients_apart(grads)
     values = _through_splits(
         [dense_values(grad) for grad in flatten_gradients(grads)])
     flags = [is_finite(stacked) for _, stacked
              in _stacks([v for v in values if _is_small(v)])]
     large = [v for v in values if not _is_small(v)]
-    if large or quotients:
-        flags.append(_sum_check(large, quotients))
+    if large:
+        flags.append(_sum_check(large))
     return _conjunction(flags)
 
 
@@ -149,10 +127,6 @@ def nonfinite_flags(grads):
     """Exact per-gradient flags: a bool vector with one element for each
     entry of `tf.nest.flatten(grads)`, True where that gradient holds NaN or
     +-Inf (`None` entries: False)."""
-    if isinstance(grads, unscaling.Quotient):
-        grads = grads.value()
-    elif isinstance(grads, (list, tuple)):
-        grads = unscaling.resolve(grads)
     entries = tf.nest.flatten(grads)
     present = [i for i, grad in enumerate(entries) if grad is not None]
     finite = [tf.constant(True)] * len(entries)

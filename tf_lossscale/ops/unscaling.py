@@ -7,16 +7,9 @@ cannot even hold scales above 65504. Tiny dense gradients of one dtype are
 packed: concatenated, divided once and split back. Each value is still one
 correctly rounded division, so the result is bit for bit a per-gradient
 divide's (docs/guides/performance.md compares the two).
-
-With `defer=True`, large dense gradients come back as `Quotient`s, divided
-only where `resolve` is called: the step (under XLA) does it in its apply
-branch, where XLA fuses the division into the optimizer's update, and a
-skipped step divides nothing. `finiteness` checks a `Quotient` from its
-scaled values, exactly.
 """
 
 import collections
-from typing import NamedTuple
 
 import tensorflow as tf
 
@@ -24,35 +17,11 @@ import tensorflow as tf
 # tiny gradients (biases, normalisation scales); for larger ones its copies
 # cost more than the ops it saves.
 _PACKED_ELEMENTS = 1 << 12
-# The gradients `finiteness` checks by their sum, where the scaled sum is as
-# good a sentinel as the quotients'; smaller ones are checked stacked, which
-# needs their quotients.
-_DEFERRED_ELEMENTS = 1 << 16
 
 
 def _divide(values, scale):
     wide = tf.float64 if values.dtype == tf.float64 else tf.float32
     return tf.cast(tf.cast(values, wide) / tf.cast(scale, wide), values.dtype)
-
-
-class Quotient(NamedTuple):
-    """A dense gradient's quotient by the loss scale, not yet computed.
-
-    Attributes:
-      scaled: the gradient as computed, scaled by `scale`.
-      scale: the scalar to divide by.
-    """
-    scaled: tf.Tensor
-    scale: tf.Tensor
-
-    def value(self):
-        """`scaled / scale`, as `unscale` divides it."""
-        return _divide(self.scaled, self.scale)
-
-
-def resolve(grads):
-    """The list `grads` with every `Quotient` divided."""
-    return [g.value() if isinstance(g, Quotient) else g for g in grads]
 
 
 def _divide_packed(grads, scale):
@@ -66,11 +35,10 @@ def _divide_packed(grads, scale):
             for part, g in zip(parts, grads)]
 
 
-def unscale(grads, scale, keep=None, defer=False):
+def unscale(grads, scale, keep=None):
     """Returns the list `grads` (tensors, `tf.IndexedSlices` or None) with
     every gradient divided by the scalar `scale`, except where the optional
-    list of bools `keep` is True: those come back as given. With `defer`,
-    dense gradients of more than 65,536 values come back as `Quotient`s.
+    list of bools `keep` is True: those come back as given.
 
     Raises:
       ValueError: `keep` does not have one entry per gradient.
@@ -92,8 +60,6 @@ def unscale(grads, scale, keep=None, defer=False):
                 _divide(grad.values, scale), grad.indices, grad.dense_shape)
         elif 0 < (grad.shape.num_elements() or -1) <= _PACKED_ELEMENTS:
             packs[grad.dtype].append(index)
-        elif defer and (grad.shape.num_elements() or 0) > _DEFERRED_ELEMENTS:
-            unscaled[index] = Quotient(grad, scale)
         else:
             unscaled[index] = _divide(grad, scale)
     for indices in packs.values():

@@ -9,17 +9,14 @@ gradients to `apply_or_skip`, which
    records which variables' gradients were not finite (worked out on skipped
    steps only).
 The unscale, the check and the agreement are the fields of a `StepParts`, so
-the benchmark can replace each. Under XLA, large gradients are divided in
-the apply branch (`unscaling.Quotient`), where the division fuses into the
-optimizer's update, and the check reads them as scaled. Variables that take
-their gradient as their value (Keras' float8 `overwrite_with_gradient`) get
-it as computed, as Keras' own wrapper does. The optimizers of a
-`LossScaleGroup` take part as its members: each step is a member's step (the
-group moves the scale once per iteration); inside a `group.iteration()`
-block the steps wait for its end, where `DeferredStep.run_together` agrees
-on all of them with one all-reduce and applies or skips each. Under XLA a
-failed or refused step halts every later one until the host has acted
-(`loss_scales.xla_checks`).
+the benchmark can replace each. Variables that take their gradient as their
+value (Keras' float8 `overwrite_with_gradient`) get it as computed, as Keras'
+own wrapper does. The optimizers of a `LossScaleGroup` take part as its
+members: each step is a member's step (the group moves the scale once per
+iteration); inside a `group.iteration()` block the steps wait for its end,
+where `DeferredStep.run_together` agrees on all of them with one all-reduce
+and applies or skips each. Under XLA a failed or refused step halts every later one
+until the host has acted (`loss_scales.xla_checks`).
 """
 
 import contextlib
@@ -47,22 +44,12 @@ def scale_loss(loss, loss_scale):
     return loss * tf.cast(loss_scale(), loss.dtype)
 
 
-def unscale_for_apply(grads, variables, scale, defer=None):
+def unscale_for_apply(grads, variables, scale):
     """`grads / scale`, except for variables that take their gradient as
-    their value; `None` and `tf.IndexedSlices` entries keep their form.
-
-    `defer`: large gradients come back as `unscaling.Quotient`s, which
-    `apply_or_skip` divides in its apply branch. None (the default): when
-    traced for XLA, where the division then fuses into the optimizer's
-    update (fewer kernels per step). Without XLA each division is a pass of
-    its own wherever it runs, and dividing in the branch measured slower
-    (docs/guides/performance.md)."""
-    if defer is None:
-        defer = xla_record.in_xla_context()
+    their value; `None` and `tf.IndexedSlices` entries keep their form."""
     return unscaling.unscale(
         grads, scale,
-        keep=[float16.takes_gradient_as_value(v) for v in variables],
-        defer=defer)
+        keep=[float16.takes_gradient_as_value(v) for v in variables])
 
 
 class StepParts(NamedTuple):
@@ -71,11 +58,9 @@ class StepParts(NamedTuple):
 
     Attributes:
       unscale: `unscale(grads, variables, scale)`, step 0 for adapters whose
-        caller hands over scaled gradients (`unscale_for_apply`: under XLA,
-        its `Quotient`s are divided in the apply branch).
-      check: `check(grads)`, one replica's gradients (`Quotient`s among
-        them) -> scalar bool, True when all are finite
-        (`finiteness.all_finite`).
+        caller hands over scaled gradients (`unscale_for_apply`).
+      check: `check(grads)`, one replica's gradients -> scalar bool, True
+        when all are finite (`finiteness.all_finite`).
       agree: `agree(check, grads)`, cross-replica context -> the scalar bool
         every replica agrees on (`replicas.all_replicas_true`).
     """
@@ -184,9 +169,7 @@ def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record,
     Args:
       loss_scale: the `tf_lossscale.LossScale`.
       grads: the step's *unscaled* gradients, a list (per-replica values in
-        cross-replica context); an `unscaling.Quotient` is divided where
-        it is needed: in the apply branch, the skip record, the statistics,
-        or before a user-defined `LossScale.update`.
+        cross-replica context).
       variables: the list of variables `grads` belong to.
       apply_fn: `apply_fn(grads, variables)` applies the gradients; it is
         called once in every replica with that replica's values, and may
@@ -212,9 +195,6 @@ def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record,
 
 def _cross_replica_step(loss_scale, apply_fn, skip_record, stats, parts,
                         grads, variables):
-    if stats is not None or not hasattr(loss_scale, "_update_from_all_finite"):
-        # The statistics and a user's `LossScale.update` read the quotients.
-        grads = replicas.call_for_each_replica(unscaling.resolve, grads)
     if isinstance(loss_scale, group_lib.GroupMember):
         group = loss_scale.group
         block = group.deferring_block()
@@ -280,10 +260,8 @@ def _apply_or_skip_branch(loss_scale, should_apply, apply_fn, skip_record,
     else writes `skip_record`; returns what to wait on (None eagerly)."""
 
     def apply_in_every_replica():
-        results = replicas.call_for_each_replica(
-            lambda local_grads, local_variables: apply_fn(
-                _resolved_in_branch(local_grads), local_variables),
-            grads, variables)
+        results = replicas.call_for_each_replica(apply_fn, grads,
+                                                     variables)
         # Per-replica results are unwrapped, so a TF1 graph's step op waits
         # on every replica's apply.
         return _done(replicas.local_results(results))
@@ -306,18 +284,6 @@ def _apply_or_skip_branch(loss_scale, should_apply, apply_fn, skip_record,
     if isinstance(should_apply, bool):
         return apply_in_every_replica() if should_apply else skip()
     return tf.cond(should_apply, apply_in_every_replica, skip)
-
-
-def _resolved_in_branch(grads):
-    """`unscaling.resolve(grads)`, every other gradient then taken through
-    `tf.identity` when any was a `Quotient`: Keras 3's optimizers all-reduce
-    the gradients as one structure, which must come from one graph, here
-    the apply branch's."""
-    if not any(isinstance(grad, unscaling.Quotient) for grad in grads):
-        return list(grads)
-    return [grad.value() if isinstance(grad, unscaling.Quotient)
-            else None if grad is None else tf.identity(grad)
-            for grad in grads]
 
 
 def _done(ops):
