@@ -184,8 +184,37 @@ def run_group(strategy, job, keras):
             [float(v) for w in model.get_weights() for v in w.ravel()])
         observed["skipped_steps"].append(
             [int(optimizer.skipped_steps) for optimizer in optimizers])
-    graph = train_step.get_concrete_function(inputs).graph
-    observed["top_level_all_reduces"] = sum(
-        1 for op in graph.get_operations()
-        if op.type.startswith("CollectiveReduce"))
+    observed["collectives"] = collective_ops(train_step, inputs)
+
+    # The same step with the inner optimizers alone, unscaled: the
+    # gradients' own all-reduces, which the group's step must not add to.
+    with strategy.scope():
+        plain = [make_inner_optimizer(keras) for _ in range(2)]
+        for optimizer, variables in zip(plain, parts):
+            optimizer.build(variables)
+
+    def plain_replica_step(x, y, poison):
+        del poison
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(
+                per_example_loss(model, x, y),
+                global_batch_size=global_batch_size)
+        grads = tape.gradient(loss, parts)
+        for optimizer, g, v in zip(plain, grads, parts):
+            optimizer.apply_gradients(zip(g, v))
+
+    @tf.function
+    def plain_step(inputs):
+        strategy.run(plain_replica_step, args=inputs)
+
+    observed["plain_collectives"] = collective_ops(plain_step, inputs)
     return observed
+
+
+def collective_ops(step, inputs):
+    """The collective ops of `step` traced for `inputs`: in its graph and in
+    every function it calls, both branches of each `cond` included."""
+    graph_def = step.get_concrete_function(inputs).graph.as_graph_def()
+    nodes = [*graph_def.node, *(node for function in graph_def.library.function
+                                for node in function.node_def)]
+    return sum(1 for node in nodes if node.op.startswith("Collective"))

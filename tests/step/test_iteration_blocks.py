@@ -17,7 +17,7 @@ import tensorflow as tf
 
 import tf_lossscale
 from tests.helpers import training
-from tf_lossscale.ops import replicas
+from tf_lossscale.step import loss_scaled_step
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
 
@@ -151,8 +151,8 @@ def test_misused_blocks_are_refused():
 
 
 def _agreements(monkeypatch, optimizers):
-    """Counts, while tracing, the agreements on finiteness flags: each
-    optimizer's own (its step's `agree` part) and a block's."""
+    """Counts, while tracing, the decisions on finiteness: each optimizer's
+    own (its step's `agree` part) and a block's (all its steps at once)."""
     calls = []
 
     def counted(name, original):
@@ -165,8 +165,9 @@ def _agreements(monkeypatch, optimizers):
         parts = optimizer._step_parts  # pylint: disable=protected-access
         monkeypatch.setattr(optimizer, "_step_parts", parts._replace(
             agree=counted("one optimizer", parts.agree)), raising=False)
-    monkeypatch.setattr(replicas, "each_all_replicas_true", counted(
-        "a block", replicas.each_all_replicas_true))
+    run_together = loss_scaled_step.DeferredStep.run_together
+    monkeypatch.setattr(loss_scaled_step.DeferredStep, "run_together",
+                        counted("a block", run_together))
     return calls
 
 

@@ -418,6 +418,34 @@ def test_keras_optimizer_lists_its_variables_and_their_positions():
             f"build positions {positions}")
 
 
+def test_keras_apply_summed_passes_over_the_backend_all_reduce():
+    api = "keras TFOptimizer._all_reduce_sum_gradients"
+    strategy = training.mirrored(2)
+    with strategy.scope():
+        variable = keras.Variable([0.0])
+        optimizer = keras.optimizers.SGD(1.0)
+        optimizer.build([variable])
+
+    def step(apply):
+        def replica_step():
+            replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+            # Replica 0's gradient is 1, replica 1's is 2.
+            apply([tf.cast(replica + 1, tf.float32) * tf.ones([1])])
+        tf.function(lambda: strategy.run(replica_step))()
+        return [float(local.numpy()[0])
+                for local in strategy.experimental_local_results(variable.value)]
+
+    passed_over = step(lambda grads: _call(
+        api, "keras_apply_summed", private_api.keras_apply_summed, optimizer,
+        grads, [variable]))
+    _expect(passed_over == [-1.0, -2.0], api, "keras_apply_summed",
+            f"each replica should apply its own gradient, got {passed_over}")
+    # Outside it, the optimizer sums across the replicas as before.
+    summed = step(lambda grads: optimizer.apply(grads, [variable]))
+    _expect(summed == [-4.0, -5.0], api, "keras_apply_summed",
+            f"apply no longer sums the replicas' gradients: {summed}")
+
+
 def test_keras_optimizer_checkpoint_dependency_names():
     api = ("keras Optimizer checkpoint names _iterations, _learning_rate, "
            "_variables")

@@ -9,6 +9,7 @@ releases and fails naming it. tf_keras is imported only when called.
 # pylint: disable=protected-access
 
 import functools
+import threading
 import types
 
 import tensorflow as tf
@@ -184,6 +185,32 @@ def keras_load_own_variables_once(optimizer, load):
         load(store)
 
     optimizer.__dict__["load_own_variables"] = load_own_variables
+
+
+# Set, in the replica's own thread (MirroredStrategy runs each replica in a
+# thread of its own), while `keras_apply_summed` applies.
+_APPLYING_SUMS = threading.local()
+
+
+def keras_apply_summed(optimizer, grads, variables):
+    """`optimizer.apply(grads, variables)` for gradients already summed over
+    the replicas: the TensorFlow backend's `_all_reduce_sum_gradients` (its
+    all-reduce, in the replica context of `apply`) passes them through."""
+    if "_all_reduce_sum_gradients" not in optimizer.__dict__:
+        sum_gradients = optimizer._all_reduce_sum_gradients
+
+        def sum_unless_summed(grads_and_vars):
+            if getattr(_APPLYING_SUMS, "active", False):
+                return list(grads_and_vars)
+            return sum_gradients(grads_and_vars)
+
+        # In `__dict__`, past Keras' tracking, as `keras_load_own_variables_once`.
+        optimizer.__dict__["_all_reduce_sum_gradients"] = sum_unless_summed
+    _APPLYING_SUMS.active = True
+    try:
+        return optimizer.apply(grads, variables)
+    finally:
+        _APPLYING_SUMS.active = False
 
 
 def init_without_keras_loss_scale_optimizer(optimizer, name):

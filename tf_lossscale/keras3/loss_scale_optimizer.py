@@ -5,6 +5,7 @@ A `keras.optimizers.LossScaleOptimizer`, so that `compile` under
 `loss_scaled_step`'s, saving `keras3.saving`'s (docs/guides/keras.md).
 """
 
+import functools
 import sys
 import warnings
 
@@ -204,8 +205,9 @@ class LossScaleOptimizer(saving.SavedState,
             grads = parts.unscale(grads, variables, self._loss_scale())
         loss_scaled_step.apply_or_skip(
             loss_scale, grads, trainable_variables,
-            self.inner_optimizer.apply, self._skip_record,
-            stats=stats, parts=parts)
+            functools.partial(private_api.keras_apply_summed,
+                              self.inner_optimizer),
+            self._skip_record, stats=stats, parts=parts)
 
     def get_unscaled_gradients(self, grads):
         """TF 2.x protocol: returns `grads / scale`; refused (ValueError)

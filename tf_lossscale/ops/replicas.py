@@ -1,11 +1,14 @@
 """Agreement across replicas and workers under `tf.distribute`.
 
 A NaN may appear on one replica only, so every replica on every worker must
-reach the same skip decision before any branch that holds a collective:
-each replica reduces its gradients to one all-finite flag, the flags are
-summed with one all-reduce of one float32 scalar and compared with the
-number of replicas, and the loss scale is updated once, in cross-replica
-context (reached from a replica context with `merge_call`). Parameter-server
+reach the same skip decision before any branch that holds a collective. An
+optimizer step gets it from the gradients' own all-reduce, moved ahead of
+the decision (`sum_gradients`): a NaN or Inf on any replica is in the sum,
+every replica holds the same sum, and each worker decides from its first
+replica's values (`from_summed`) with no collective of its own. A loss
+scale's `update`, given each replica's own gradients, sums one all-finite
+flag per replica instead (`all_replicas_true`). The loss scale is updated
+once, in cross-replica context (reached with `merge_call`). Parameter-server
 and central-storage strategies are refused: their variables are not
 mirrored, and parameter-server workers apply updates asynchronously.
 """
@@ -105,6 +108,35 @@ def local_results(value):
         return flat
     return [part for item in flat
             for part in strategy.experimental_local_results(item)]
+
+
+def sum_gradients(grads):
+    """Replica context: `grads` summed over every replica of every worker,
+    with one all-reduce (the one the optimizer would make); `None` entries
+    stay None. Without a strategy, or with one replica, `grads` as given.
+    """
+    if not in_replica_context():
+        return list(grads)
+    context = tf.distribute.get_replica_context()
+    present = [grad for grad in grads if grad is not None]
+    if context.num_replicas_in_sync == 1 or not present:
+        return list(grads)
+    summed = iter(context.all_reduce(tf.distribute.ReduceOp.SUM, present))
+    return [None if grad is None else next(summed) for grad in grads]
+
+
+def from_summed(fn, *args):
+    """Cross-replica context: `fn(*args)` on this worker's first replica's
+    values, for `args` every replica holds alike (gradients summed with
+    `sum_gradients`): any replica's result is every replica's, on every
+    worker, so no collective is needed. Without a strategy, `fn(*args)`."""
+    strategy = strategy_in_use()
+    if strategy is None:
+        return fn(*args)
+    first = lambda value: (  # pylint: disable=unnecessary-lambda-assignment
+        strategy.experimental_local_results(value)[0]
+        if isinstance(value, tf.distribute.DistributedValues) else value)
+    return fn(*tf.nest.map_structure(first, args))
 
 
 def _replica_sum(strategy, flags_fn, args):

@@ -2,20 +2,22 @@
 
 The Keras 3, tf-keras and TF1 wrappers are adapters: each hands one step's
 gradients to `apply_or_skip`, which
-1. agrees on one finiteness flag across every replica and worker with one
-   scalar all-reduce, before any branch that holds a collective;
+1. sums them over every replica and worker with the all-reduce the inner
+   optimizer would make, moved ahead of the decision: a NaN or Inf on any
+   replica is in the sum, so each worker reads the one finiteness flag off
+   its own copy of the sum, with no collective of its own;
 2. updates the loss scale from it (a user's `LossScale` gets `update`);
-3. applies in every replica, or skips: a `SkipRecord` counts the step and
-   records which variables' gradients were not finite (worked out on skipped
-   steps only).
+3. applies the sums in every replica (the inner optimizer must not sum them
+   again), or skips: a `SkipRecord` counts the step and records which
+   variables' gradients were not finite (worked out on skipped steps only).
 The unscale, the check and the agreement are the fields of a `StepParts`, so
 the benchmark can replace each. Variables that take their gradient as their
 value (Keras' float8 `overwrite_with_gradient`) get it as computed, as Keras'
 own wrapper does. The optimizers of a `LossScaleGroup` take part as its
 members: each step is a member's step (the group moves the scale once per
 iteration); inside a `group.iteration()` block the steps wait for its end,
-where `DeferredStep.run_together` agrees on all of them with one all-reduce
-and applies or skips each. Under XLA a failed or refused step halts every later one
+where `DeferredStep.run_together` decides on all of them and applies or
+skips each. Under XLA a failed or refused step halts every later one
 until the host has acted (`loss_scales.xla_checks`).
 """
 
@@ -61,8 +63,9 @@ class StepParts(NamedTuple):
         caller hands over scaled gradients (`unscale_for_apply`).
       check: `check(grads)`, one replica's gradients -> scalar bool, True
         when all are finite (`finiteness.all_finite`).
-      agree: `agree(check, grads)`, cross-replica context -> the scalar bool
-        every replica agrees on (`replicas.all_replicas_true`).
+      agree: `agree(check, grads)`, cross-replica context, `grads` summed
+        over the replicas -> the scalar bool every replica agrees on
+        (`replicas.from_summed`).
     """
     unscale: Callable
     check: Callable
@@ -71,12 +74,13 @@ class StepParts(NamedTuple):
 
 FULL_STEP = StepParts(unscale=unscale_for_apply,
                       check=finiteness.all_finite,
-                      agree=replicas.all_replicas_true)
+                      agree=replicas.from_summed)
 
 
 class SkipRecord:
     """What a skipped step writes: one more skipped step, and a flag per
-    variable (1 where its gradient held NaN or +-Inf on any replica).
+    variable (1 where its gradient, summed over the replicas, held NaN or
+    +-Inf: where it did on any replica, or the sum overflowed).
 
     Args:
       skipped_steps: a scalar int64 variable.
@@ -92,7 +96,8 @@ class SkipRecord:
         self.positions = positions
 
     def write(self, grads, variables):
-        """Cross-replica context: records one skipped step."""
+        """Cross-replica context: records one skipped step (`grads` summed
+        over the replicas)."""
         # Keras variables' assign methods take no `read_value`.
         ops = [self.skipped_steps.assign_add(1)]
         if self.nonfinite_flags is None:
@@ -111,7 +116,7 @@ class SkipRecord:
                 tf.zeros([size], tf.int32), [[p] for p in positions],
                 tf.cast(flags, tf.int32)) > 0
 
-        flags = replicas.any_replica_true(local_flags, grads)
+        flags = replicas.from_summed(local_flags, grads)
         return ops + [self.nonfinite_flags.assign(tf.cast(flags, tf.int32))]
 
 
@@ -160,19 +165,19 @@ def update_loss_scale(loss_scale, grads, parts=None):
 
 
 def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record,
-                  stats=None, parts=None):
-    """One step: update the scale, then apply in every replica or skip.
+                  stats=None, parts=None, summed=False):
+    """One step: sum, update the scale, then apply in every replica or skip.
 
-    May be called in a replica context (inside `strategy.run`, `fit`'s train
-    step) or in cross-replica context; all replicas take the same branch.
+    Called in a replica context (inside `strategy.run`, `fit`'s train step)
+    or without a strategy; all replicas take the same branch.
 
     Args:
       loss_scale: the `tf_lossscale.LossScale`.
-      grads: the step's *unscaled* gradients, a list (per-replica values in
-        cross-replica context).
+      grads: the step's *unscaled* gradients, a list.
       variables: the list of variables `grads` belong to.
-      apply_fn: `apply_fn(grads, variables)` applies the gradients; it is
-        called once in every replica with that replica's values, and may
+      apply_fn: `apply_fn(grads, variables)` applies gradients already
+        summed over the replicas, without summing them again; it is called
+        once in every replica with that replica's copy of the sums, and may
         return an op or tensor to wait on.
       skip_record: the `SkipRecord` written on skipped steps, or None to
         record nothing (a wrapper whose checkpoints hold no such state).
@@ -181,11 +186,16 @@ def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record,
         `tf_lossscale.monitor.gradient_stats`, written on every step, applied
         or skipped, from the gradients and the scale they ran with.
       parts: the `StepParts` to run; None for `FULL_STEP`.
+      summed: True when every replica already holds the same `grads` (the
+        caller summed them, or told the inner optimizer it had); the step
+        then makes no all-reduce at all.
 
     Returns:
       None eagerly; in graphs an op that runs the whole step (TF1 callers
       run it; in `tf.function` the step runs anyway).
     """
+    if not summed:
+        grads = replicas.sum_gradients(grads)
     # Only the data crosses `merge_call`: anything passed through it comes
     # back regrouped per replica, callables included.
     return replicas.call_in_cross_replica_context(
@@ -228,15 +238,15 @@ class DeferredStep(NamedTuple):
 
     @classmethod
     def run_together(cls, group, steps):
-        """Cross-replica context: the block's `steps` as one iteration: one
-        all-reduce agrees on each step's finiteness flag, the group takes
-        the iteration's step, and each step applies or skips."""
+        """Cross-replica context: the block's `steps` as one iteration: each
+        step's finiteness flag, read off its summed gradients, the group's
+        step from them, then each step applies or skips."""
         stats_ops = [step.stats.write(step.grads, step.member)
                      for step in steps if step.stats is not None]
         with tf.control_dependencies([op for op in stats_ops
                                       if op is not None]):
             if steps[0].member._needs_finiteness:  # pylint: disable=protected-access
-                agreed = replicas.each_all_replicas_true(
+                agreed = replicas.from_summed(
                     lambda *grads: tf.stack([
                         step.parts.check(g) for step, g in zip(steps, grads)]),
                     *[step.grads for step in steps])

@@ -129,9 +129,11 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
         def apply_fn(grads, variables):
             return self._apply_aggregated(list(zip(grads, variables)), name)
 
+        # Summed by the inner optimizer (`_aggregate`), or by the caller who
+        # said so: every replica holds the same gradients.
         step = loss_scaled_step.apply_or_skip(
             self._loss_scale, grads, variables, apply_fn, self._skip_record,
-            stats=self._stats_for(variables))
+            stats=self._stats_for(variables), summed=True)
         return self.iterations if step is None else step
 
     def _warn_if_not_scaled(self):
