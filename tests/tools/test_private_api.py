@@ -446,6 +446,40 @@ def test_keras_apply_summed_passes_over_the_backend_all_reduce():
             f"apply no longer sums the replicas' gradients: {summed}")
 
 
+def test_tf1_apply_summed_passes_over_distributed_apply_sum():
+    api = "tf.compat.v1.train.Optimizer._distributed_apply"
+    strategy = training.mirrored(2)
+    graph = tf.Graph()
+    with graph.as_default(), strategy.scope():
+        variable = tf.Variable([0.0])
+        optimizer = tf.compat.v1.train.GradientDescentOptimizer(1.0)
+
+        def step(apply):
+            def replica_step():
+                context = tf.distribute.get_replica_context()
+                # Replica 0's gradient is 1, replica 1's is 2.
+                grad = tf.cast(context.replica_id_in_sync_group + 1,
+                               tf.float32) * tf.ones([1])
+                return apply([(grad, variable)])
+            return strategy.group(strategy.run(replica_step))
+
+        passed_over = step(lambda pairs: _call(
+            api, "tf1_apply_summed", private_api.tf1_apply_summed, optimizer,
+            pairs))
+        summed = step(optimizer.apply_gradients)
+        with tf.compat.v1.Session(graph=graph) as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            locals_ = strategy.experimental_local_results(variable)
+            session.run(passed_over)
+            after_passed_over = [float(v[0]) for v in session.run(locals_)]
+            session.run(summed)
+            after_summed = [float(v[0]) for v in session.run(locals_)]
+    _expect(after_passed_over == [-1.0, -2.0], api, "tf1_apply_summed",
+            f"each replica should apply its own gradient: {after_passed_over}")
+    _expect(after_summed == [-4.0, -5.0], api, "tf1_apply_summed",
+            f"apply_gradients no longer sums across replicas: {after_summed}")
+
+
 def test_keras_optimizer_checkpoint_dependency_names():
     api = ("keras Optimizer checkpoint names _iterations, _learning_rate, "
            "_variables")

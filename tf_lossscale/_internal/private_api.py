@@ -148,6 +148,39 @@ def tf1_use_locking(optimizer):
     return optimizer._use_locking
 
 
+class _KeepsSums:
+    """Stands for a strategy, or its `extended`, whose `batch_reduce_to`
+    returns the values as given: they are sums already."""
+
+    def __init__(self, wrapped, extended=None):
+        self._wrapped = wrapped
+        if extended is not None:
+            self.extended = extended
+
+    def __getattr__(self, name):
+        return getattr(self._wrapped, name)
+
+    @staticmethod
+    def batch_reduce_to(reduce_op, value_destination_pairs, options=None):
+        del reduce_op, options
+        return [value for value, _ in value_destination_pairs]
+
+
+def tf1_apply_summed(optimizer, grads_and_vars, global_step=None, name=None):
+    """A TF1 optimizer's `apply_gradients` in a replica context, for
+    gradients already summed over the replicas: its `_distributed_apply`
+    (where `apply_gradients` sums them) with a strategy that keeps sums."""
+    if not tf.distribute.has_strategy():
+        return optimizer.apply_gradients(grads_and_vars, global_step, name)
+    pairs = [(grad, var) for grad, var in grads_and_vars if grad is not None]
+
+    def apply(strategy, pairs):
+        keeps = _KeepsSums(strategy, _KeepsSums(strategy.extended))
+        return optimizer._distributed_apply(keeps, pairs, global_step, name)
+
+    return tf.distribute.get_replica_context().merge_call(apply, args=(pairs,))
+
+
 def variable_key(variable):
     """One key per variable (a MirroredVariable's is its primary's)."""
     return variable._unique_id

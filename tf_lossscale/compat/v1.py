@@ -101,9 +101,9 @@ class MixedPrecisionLossScaleOptimizer(tf.compat.v1.train.Optimizer):
         inner_name = name + "-wrapped"
 
         def apply(grads, variables):
-            return self._optimizer.apply_gradients(
-                list(zip(grads, variables)), global_step=global_step,
-                name=inner_name)
+            return private_api.tf1_apply_summed(
+                self._optimizer, list(zip(grads, variables)),
+                global_step=global_step, name=inner_name)
 
         step = loss_scaled_step.apply_or_skip(
             self._loss_scale, grads, variables, apply, skip_record=None)

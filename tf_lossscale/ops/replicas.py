@@ -121,7 +121,14 @@ def sum_gradients(grads):
     present = [grad for grad in grads if grad is not None]
     if context.num_replicas_in_sync == 1 or not present:
         return list(grads)
-    summed = iter(context.all_reduce(tf.distribute.ReduceOp.SUM, present))
+    if tf.compat.v1.executing_eagerly_outside_functions():
+        summed = context.all_reduce(tf.distribute.ReduceOp.SUM, present)
+    else:  # TF1 graphs, where all_reduce's gradient function fails to build.
+        summed = context.merge_call(
+            lambda strategy, values: strategy.extended.batch_reduce_to(
+                tf.distribute.ReduceOp.SUM, [(v, v) for v in values]),
+            args=(present,))
+    summed = iter(summed)
     return [None if grad is None else next(summed) for grad in grads]
 
 
