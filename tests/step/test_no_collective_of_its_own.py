@@ -17,7 +17,9 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
+from tests.helpers import layerwise_models
 import tf_lossscale
+from tf_lossscale import layerwise
 from tf_lossscale.compat.v1 import MixedPrecisionLossScaleOptimizer
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
@@ -153,3 +155,38 @@ def test_compat_v1_wrapper_adds_none():
     ours = _tf1_step(lambda: MixedPrecisionLossScaleOptimizer(make(), "dynamic"))
     assert plain > 0
     assert ours == plain
+
+
+def _scaled_model_step(model):
+    """Collectives in one traced custom step of `model` (its compiled
+    optimizer; Keras 3)."""
+    strategy = _strategy()
+    optimizer = model.optimizer
+    variables = model.trainable_variables
+    with strategy.scope():
+        optimizer.build(variables)
+    x = tf.ones([2, layerwise_models.FEATURES])
+
+    def replica_step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.cast(model(x, training=True), tf.float32))
+            if isinstance(optimizer, tf_lossscale.LossScaleOptimizer):
+                loss = optimizer.scale_loss(loss)
+        optimizer.apply(tape.gradient(loss, variables), variables)
+
+    @tf.function
+    def step():
+        strategy.run(replica_step)
+
+    return _collectives(step.get_concrete_function().graph.as_graph_def())
+
+
+def test_a_model_scaled_per_layer_adds_none():
+    with _strategy().scope():
+        plain = layerwise_models.gained_model()
+        plain.compile(layerwise_models.adam(), "mse")
+        scaled = layerwise.scale_per_layer(layerwise_models.gained_model())
+    assert scaled.gradient_factors()  # Segments, each agreed on.
+    plain_count = _scaled_model_step(plain)
+    assert plain_count > 0
+    assert _scaled_model_step(scaled) == plain_count

@@ -60,7 +60,7 @@ class SegmentedStep:
             unscale=lambda grads, variables, scale: _unscale(
                 grads, variables, scale, segments, scales),
             check=lambda grads: _figures(grads, segments, self.top),
-            agree=_sum_over_replicas)
+            agree=replicas.from_summed)
         if stats is not None:
             stats = _SegmentStats(stats, segments, scales)
         return _SegmentedUpdate(loss_scale, self._state, self._rule,
@@ -135,14 +135,9 @@ def _figures(grads, segments, top):
         tf.cast(top_measured, tf.float32)[None]], axis=0)
 
 
-def _sum_over_replicas(check, grads):
-    """Cross-replica context: `check(grads)` summed over every replica and
-    worker (one all-reduce of a short float32 vector)."""
-    return replicas.sum_over_replicas(check, grads)
-
-
 def decode(summed, top):
-    """The `rule.Figures` of the summed figures of `_figures`."""
+    """The `rule.Figures` of `_figures`' vector (of the gradients summed
+    over the replicas, which every replica computes alike)."""
     nonfinite = summed[:top + 1] > 0.0
     count = summed[top + 1:2 * top + 1]
     informed = count > 0.0
