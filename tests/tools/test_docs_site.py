@@ -25,8 +25,8 @@ _DOCS = _ROOT / "docs"
 def _public_packages():
     # The namespaces that declare public names: tf_lossscale and every
     # module or package under it that has an `__all__` (compat.v1 is a
-    # module). The source is read first so that implementation modules,
-    # tf_keras_optimizer among them, are not imported.
+    # module). The source is read first so that implementation modules are
+    # not imported.
     yield tf_lossscale
     for info in pkgutil.walk_packages(tf_lossscale.__path__, "tf_lossscale."):
         if any(part.startswith("_") for part in info.name.split(".")):
