@@ -18,9 +18,10 @@ Sections (`lsbench/sections/`, run in this order; `--only` picks some):
   check     check + unscale + update on three gradient sets (TF 2.x protocol)
   apply     the Keras-protocol apply path, against Keras 3's wrapper
   ops       ops per tensor of the traced step, ours and Keras 3's (exact)
-  collectives  collectives per traced training step under MultiWorkerMirrored
-            and MirroredStrategy over 2 logical CPUs (exact; in a child
-            process): ours, Keras 3's and no loss scaling, with one
+  collectives
+            collectives per traced training step (exact; in a child process
+            with 2 logical CPUs) under MultiWorkerMirroredStrategy and
+            MirroredStrategy: ours, Keras 3's and no loss scaling, with one
             optimizer, two, and per layer
   hotpath   each technique of the check and the unscale against the plain
             form, on the three gradient sets, in graph mode and under XLA
