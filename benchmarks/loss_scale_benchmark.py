@@ -18,14 +18,21 @@ Sections (`lsbench/sections/`, run in this order; `--only` picks some):
   check     check + unscale + update on three gradient sets (TF 2.x protocol)
   apply     the Keras-protocol apply path, against Keras 3's wrapper
   ops       ops per tensor of the traced step, ours and Keras 3's (exact)
+  collectives
+            collectives per traced training step (exact; in a child process
+            with 2 logical CPUs) under MultiWorkerMirroredStrategy and
+            MirroredStrategy: ours, Keras 3's and no loss scaling, with one
+            optimizer, two, and per layer
   hotpath   each technique of the check and the unscale against the plain
             form, on the three gradient sets, in graph mode and under XLA
   fit       `model.fit` without XLA: overhead, the barrier, the monitor, and
             the cost of each feature (the step with one feature taken away:
             `lsbench/ablations.py`)
   xla       `model.fit` under XLA, and the XLA record's cost
-  replicas  `model.fit` under MirroredStrategy over 2 logical CPUs, and the
-            replica agreement's cost (in a child process)
+  replicas  `model.fit` under MirroredStrategy over 2 logical CPUs (in a
+            child process)
+  workers   a custom training loop under MultiWorkerMirroredStrategy in two
+            worker processes on 127.0.0.1, each worker's CPU time
   stats     the opt-in gradient statistics (`LossScaleMonitor(
             gradient_stats=True)`): alone against the finiteness check, and
             in `model.fit` with and without XLA
@@ -80,6 +87,7 @@ from lsbench import report as report_module  # pylint: disable=g-import-not-at-t
 from lsbench.sections import argument_checks  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import apply_path  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import check_unscale_update  # pylint: disable=g-import-not-at-top,wrong-import-position
+from lsbench.sections import collectives  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import diagnosis  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import fit_step  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import gradient_stats  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -87,13 +95,15 @@ from lsbench.sections import hot_path  # pylint: disable=g-import-not-at-top,wro
 from lsbench.sections import per_layer  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import replicas  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import step_ops  # pylint: disable=g-import-not-at-top,wrong-import-position
+from lsbench.sections import two_workers  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import xla_fit  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 tf.get_logger().setLevel("ERROR")  # TF's reference is deprecated; it says so.
 
-SECTIONS = (check_unscale_update, apply_path, step_ops, hot_path, fit_step,
-            xla_fit, replicas, gradient_stats, argument_checks, per_layer,
-            diagnosis)
+# `collectives` right after `ops`: its counts beside the XLA kernel counts.
+SECTIONS = (check_unscale_update, apply_path, step_ops, collectives, hot_path,
+            fit_step, xla_fit, replicas, two_workers, gradient_stats,
+            argument_checks, per_layer, diagnosis)
 
 
 def _cpu_model():

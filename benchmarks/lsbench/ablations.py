@@ -4,23 +4,24 @@ Each ablation is built on a seam the step really runs through, never on a
 method it might stop calling, and `tests/tools/test_benchmark_ablations.py`
 traces each one and checks that it holds fewer of the ops it claims to
 remove than the full step. The difference in cost between the full step and an ablation
-is what that feature costs (`sections.fit_step`, `sections.xla_fit`,
-`sections.replicas`).
+is what that feature costs (`sections.fit_step`, `sections.xla_fit`).
 
 | feature | seam | what the ablation does instead |
 |---|---|---|
 | the finiteness check | `StepParts.check` | reads a flag that is always True |
 | the unscale | `StepParts.unscale` | hands the scaled gradients on |
-| the replica agreement | `StepParts.agree` | replica 0's flag decides |
 | the overflow record | `LossScaleOptimizer._skip_record` | records nothing |
 | the state check and policies | `DynamicLossScale._step` | the rule alone: no check, no policy |
 | the XLA record | `DynamicLossScale._xla_record` (`xla_record.StepRecord`) | the rule alone: no record, no halt |
+
+The replica agreement has no ablation: it is the gradients' own all-reduce,
+moved ahead of the decision, with no op of its own (`sections.collectives`
+counts the collectives).
 
 The ablated steps are wrong on purpose (they apply non-finite steps, scaled
 gradients, ...): they exist to be timed.
 """
 
-import contextlib
 from typing import Callable, NamedTuple
 
 import keras
@@ -29,7 +30,6 @@ import tensorflow as tf
 import tf_lossscale
 from lsbench import gradient_sets
 from lsbench import op_counts
-from tf_lossscale.ops import replicas
 from tf_lossscale.loss_scales import dynamic_rule
 from tf_lossscale.step import loss_scaled_step
 from tf_lossscale.loss_scales import xla_record
@@ -38,15 +38,6 @@ from tf_lossscale.loss_scales import xla_record
 def _no_unscale(grads, variables, scale):
     del variables, scale
     return list(grads)
-
-
-def _first_replica_decides(check, grads):
-    """Replica 0's flag, as Keras 3's own wrapper takes it: no all-reduce."""
-    strategy = replicas.strategy_in_use()
-    if strategy is None:
-        return check(grads)
-    flags = strategy.extended.call_for_each_replica(check, args=(grads,))
-    return strategy.experimental_local_results(flags)[0]
 
 
 class NoCheck(tf_lossscale.LossScaleOptimizer):
@@ -64,11 +55,6 @@ class NoCheck(tf_lossscale.LossScaleOptimizer):
 
 class NoUnscale(tf_lossscale.LossScaleOptimizer):
     _step_parts = loss_scaled_step.FULL_STEP._replace(unscale=_no_unscale)
-
-
-class NoAgreement(tf_lossscale.LossScaleOptimizer):
-    _step_parts = loss_scaled_step.FULL_STEP._replace(
-        agree=_first_replica_decides)
 
 
 class NoOverflowRecord(tf_lossscale.LossScaleOptimizer):
@@ -155,9 +141,7 @@ class Ablation(NamedTuple):
       make: `make(inner_optimizer, **loss_scale_config)` -> the optimizer.
       removes: op types of which the ablated step holds fewer than the full
         one (where `where` says), each an op the feature adds.
-      where: "graph" (a `tf.function`), "xla" (`jit_compile=True`) or
-        "replicas" (under a strategy of several replicas: without one, the
-        agreement holds no op).
+      where: "graph" (a `tf.function`) or "xla" (`jit_compile=True`).
     """
     feature: str
     make: Callable
@@ -176,8 +160,6 @@ ABLATIONS = (
     Ablation("the XLA record", _with_loss_scale(UnrecordedDynamicLossScale),
              ("ConcatV2", "StridedSlice", "Bitcast", "AssignVariableOp", "If"),
              where="xla"),
-    Ablation("the replica agreement", _wrapper(NoAgreement),
-             ("AddN", "Equal"), where="replicas"),
 )
 
 
@@ -188,22 +170,19 @@ def by_feature(feature):
     raise KeyError(feature)
 
 
-def traced_ops(make, shapes, where="graph", strategy=None, **config):
+def traced_ops(make, shapes, where="graph", **config):
     """The op types of the step of `make(SGD, **config)` over variables of
-    `shapes`, traced as `where` says (in `strategy.run` when given)."""
-    scope = strategy.scope() if strategy else contextlib.nullcontext()
-    with scope:
-        optimizer = make(keras.optimizers.SGD(1e-9), **config)
-        variables = gradient_sets.variables(shapes)
+    `shapes`, traced as `where` says."""
+    optimizer = make(keras.optimizers.SGD(1e-9), **config)
+    variables = gradient_sets.variables(shapes)
     return op_counts.traced_apply(
         optimizer, gradient_sets.scaled_gradients(shapes), variables,
-        jit_compile=where == "xla", strategy=strategy)
+        jit_compile=where == "xla")
 
 
-def ops_removed(ablation, shapes, strategy=None, **config):
+def ops_removed(ablation, shapes, **config):
     """`(ops of the full step, ops the ablation removes)`, in all."""
-    full_ops = traced_ops(full, shapes, ablation.where, strategy, **config)
-    ablated = traced_ops(ablation.make, shapes, ablation.where, strategy,
-                         **config)
+    full_ops = traced_ops(full, shapes, ablation.where, **config)
+    ablated = traced_ops(ablation.make, shapes, ablation.where, **config)
     return sum(full_ops.values()), sum(full_ops.values()) - sum(
         ablated.values())

@@ -17,7 +17,6 @@ import pytest
 import tensorflow as tf
 
 from tests import helpers
-from tests.helpers import training
 
 sys.path.insert(0, str(helpers.ROOT / "benchmarks"))
 
@@ -31,10 +30,10 @@ pytestmark = pytest.mark.usefixtures("keras_isolation")
 _SHAPES = [(300, 300), (300,), (300, 10), (10,)]
 
 
-def _traced(make, where, strategy=None):
-    if where == "graph" and strategy is None:
+def _traced(make, where):
+    if where == "graph":
         return _traced_in_graph(make)
-    return ablations.traced_ops(make, _SHAPES, where, strategy)
+    return ablations.traced_ops(make, _SHAPES, where)
 
 
 @functools.cache
@@ -47,23 +46,13 @@ def _traced_in_graph(make):
                          ids=lambda a: a.feature.replace(" ", "_"))
 def test_each_ablation_removes_the_ops_it_claims_from_the_traced_step(
         ablation):
-    strategy = (training.mirrored(2) if ablation.where == "replicas"
-                else None)
-    full = _traced(ablations.full, ablation.where, strategy)
-    ablated = _traced(ablation.make, ablation.where, strategy)
+    full = _traced(ablations.full, ablation.where)
+    ablated = _traced(ablation.make, ablation.where)
     for op_type in ablation.removes:
         assert ablated[op_type] < full[op_type], (
             f"{ablation.feature}: {op_type} {ablated[op_type]} in the "
             f"ablated step, {full[op_type]} in the full one")
     assert sum(ablated.values()) < sum(full.values())
-
-
-def test_without_a_strategy_the_agreement_holds_no_op():
-    # Why its ablation is traced under a strategy of two replicas.
-    full = _traced(ablations.full, "graph")
-    ablated = _traced(ablations.by_feature("the replica agreement").make,
-                      "graph")
-    assert full == ablated
 
 
 def test_the_removed_ops_are_counted_in_the_branches_too():

@@ -19,8 +19,10 @@ sys.path.insert(0, str(helpers.ROOT / "benchmarks"))
 import loss_scale_benchmark  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench import ablations  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench import gradient_sets  # pylint: disable=g-import-not-at-top,wrong-import-position
+from lsbench.sections import collectives  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import fit_step  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import step_ops  # pylint: disable=g-import-not-at-top,wrong-import-position
+from lsbench.sections import two_workers  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
 
@@ -38,13 +40,16 @@ def test_quick_benchmark_reports_every_section_and_a_verdict_per_target(
     assert list(quick_benchmark.report.results) == [
         section.NAME for section in loss_scale_benchmark.SECTIONS]
     # One target per gradient set in `check` and one more per large set,
-    # one per set in `apply`, one in `ops` (quick runs compile one set), two
-    # in `fit` (the wrapper's overhead and the monitor's), one in `xla`, one
-    # in `layerwise` (its demonstration).
+    # one per set in `apply`, one in `ops` (quick runs compile one set), one
+    # per strategy and row in `collectives`, two in `fit` (the wrapper's
+    # overhead and the monitor's), one in `xla`, one in `replicas`, one in
+    # `workers`, one in `layerwise` (its demonstration).
     sets = gradient_sets.gradient_sets(quick=True)
     large = sum(gradient_sets.is_large(s) for s in sets.values())
     assert 1 <= large < len(sets)  # Both of `check`'s kinds of set.
-    expected = len(sets) + large + len(sets) + 1 + 2 + 1 + 1
+    expected = (len(sets) + large + len(sets) + 1
+                + len(collectives.STRATEGIES) * len(collectives.ROWS)
+                + 2 + 1 + 1 + 1 + 1)
     assert len(verdicts) == expected
     for description, _ in verdicts:
         assert f"target {description}:" in text
@@ -78,6 +83,36 @@ def test_ops_section_counts_ops_and_kernels_of_every_form_on_every_set(
     table = next(t for t in quick_benchmark.report.tables
                  if t.title == step_ops.TITLE)
     assert [row[0] for row in table.rows] == list(counts)
+
+
+@pytest.mark.xdist_group("quick_benchmark")
+def test_collectives_section_counts_every_form_on_every_row_and_strategy(
+        quick_benchmark):
+    counts = quick_benchmark.report.results[collectives.NAME]
+    assert list(counts) == list(collectives.STRATEGIES)
+    for strategy, rows in counts.items():
+        assert list(rows) == list(collectives.ROWS), strategy
+        for row, forms in rows.items():
+            assert list(forms) == list(collectives.FORMS), (strategy, row)
+            # Exact counts: the gradients' own all-reduce is always there,
+            # and this package adds none (tests/step pins it too).
+            assert forms[collectives.PLAIN] > 0, (strategy, row)
+            assert forms[collectives.OURS] == forms[collectives.PLAIN], (
+                strategy, row)
+    # Beside the XLA kernel counts in the Markdown summary.
+    titles = [table.title for table in quick_benchmark.report.tables]
+    assert titles.index(collectives.TITLE) == titles.index(step_ops.TITLE) + 1
+
+
+@pytest.mark.xdist_group("quick_benchmark")
+def test_workers_section_reports_each_worker_on_every_candidate(
+        quick_benchmark):
+    workers = quick_benchmark.report.results[two_workers.NAME]
+    assert [w["task"] for w in workers] == list(range(two_workers.NUM_WORKERS))
+    for worker in workers:
+        for measure in ("cpu", "wall"):
+            assert list(worker[measure]) == list(two_workers.CANDIDATES)
+            assert worker[measure][two_workers.BASELINE] == 1.0
 
 
 def test_only_runs_the_sections_named_and_refuses_unknown_ones():
