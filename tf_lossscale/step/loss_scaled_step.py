@@ -66,10 +66,22 @@ class StepParts(NamedTuple):
       agree: `agree(check, grads)`, cross-replica context, `grads` summed
         over the replicas -> the scalar bool every replica agrees on
         (`replicas.from_summed`).
+      each_any: `each_any(flags_fn, grads)`, the same context -> a bool
+        vector, True where `flags_fn` is True on any replica (the skip
+        record's).
     """
     unscale: Callable
     check: Callable
     agree: Callable
+    each_any: Callable = replicas.from_summed
+
+
+def summed_by_caller(parts):
+    """`parts` for gradients a caller summed, which the step cannot know
+    every replica holds alike: each replica checks its own and one scalar
+    all-reduce agrees (the skip record's flags, one more in its branch)."""
+    return parts._replace(agree=replicas.all_replicas_true,
+                          each_any=replicas.any_replica_true)
 
 
 FULL_STEP = StepParts(unscale=unscale_for_apply,
@@ -95,9 +107,9 @@ class SkipRecord:
         self.nonfinite_flags = nonfinite_flags
         self.positions = positions
 
-    def write(self, grads, variables):
-        """Cross-replica context: records one skipped step (`grads` summed
-        over the replicas)."""
+    def write(self, grads, variables, each_any=replicas.from_summed):
+        """Cross-replica context: records one skipped step; `each_any` is
+        the step's `StepParts.each_any`."""
         # Keras variables' assign methods take no `read_value`.
         ops = [self.skipped_steps.assign_add(1)]
         if self.nonfinite_flags is None:
@@ -116,7 +128,7 @@ class SkipRecord:
                 tf.zeros([size], tf.int32), [[p] for p in positions],
                 tf.cast(flags, tf.int32)) > 0
 
-        flags = replicas.from_summed(local_flags, grads)
+        flags = each_any(local_flags, grads)
         return ops + [self.nonfinite_flags.assign(tf.cast(flags, tf.int32))]
 
 
@@ -186,9 +198,10 @@ def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record,
         `tf_lossscale.monitor.gradient_stats`, written on every step, applied
         or skipped, from the gradients and the scale they ran with.
       parts: the `StepParts` to run; None for `FULL_STEP`.
-      summed: True when every replica already holds the same `grads` (the
-        caller summed them, or told the inner optimizer it had); the step
-        then makes no all-reduce at all.
+      summed: True when every replica already holds the same `grads` (a
+        wrapper's inner optimizer summed them); the step then makes no
+        all-reduce at all. (A caller's own sums get `summed_by_caller`'s
+        parts as well.)
 
     Returns:
       None eagerly; in graphs an op that runs the whole step (TF1 callers
@@ -219,7 +232,8 @@ def _cross_replica_step(loss_scale, apply_fn, skip_record, stats, parts,
     with tf.control_dependencies([] if stats_op is None else [stats_op]):
         update_op, should_apply = update_loss_scale(loss_scale, grads, parts)
     step = _apply_or_skip_branch(loss_scale, should_apply, apply_fn,
-                                 skip_record, grads, variables)
+                                 skip_record, grads, variables,
+                                 (parts or FULL_STEP).each_any)
     if tf.executing_eagerly():
         return None
     return tf.group([op for op in (update_op, step) if op is not None])
@@ -245,8 +259,12 @@ class DeferredStep(NamedTuple):
                      for step in steps if step.stats is not None]
         with tf.control_dependencies([op for op in stats_ops
                                       if op is not None]):
+            # Gradients a caller summed need agreeing (`summed_by_caller`).
+            decide = (replicas.from_summed if all(
+                step.parts.agree is replicas.from_summed for step in steps)
+                      else replicas.each_all_replicas_true)
             if steps[0].member._needs_finiteness:  # pylint: disable=protected-access
-                agreed = replicas.from_summed(
+                agreed = decide(
                     lambda *grads: tf.stack([
                         step.parts.check(g) for step, g in zip(steps, grads)]),
                     *[step.grads for step in steps])
@@ -257,7 +275,8 @@ class DeferredStep(NamedTuple):
                 [step.member for step in steps], flags, ends_now=True)
         branches = [
             _apply_or_skip_branch(step.member, should, step.apply_fn,
-                                  step.skip_record, step.grads, step.variables)
+                                  step.skip_record, step.grads, step.variables,
+                                  step.parts.each_any)
             for step, should in zip(steps, should_apply)]
         if tf.executing_eagerly():
             return None
@@ -265,7 +284,7 @@ class DeferredStep(NamedTuple):
 
 
 def _apply_or_skip_branch(loss_scale, should_apply, apply_fn, skip_record,
-                          grads, variables):
+                          grads, variables, each_any):
     """Cross-replica context: applies in every replica if `should_apply`,
     else writes `skip_record`; returns what to wait on (None eagerly)."""
 
@@ -279,7 +298,7 @@ def _apply_or_skip_branch(loss_scale, should_apply, apply_fn, skip_record,
     def skip():
         if skip_record is None:
             return _done([])
-        return _done(skip_record.write(grads, variables))
+        return _done(skip_record.write(grads, variables, each_any))
 
     # Under XLA a step that failed (or was refused) changes nothing more, as
     # the error would have stopped it without XLA; the host raises after the

@@ -119,6 +119,7 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
         grads, variables = checks.pairs(grads_and_vars)
         pairs = [(g, v) for g, v in zip(checks.gradients(grads, variables),
                                         variables) if g is not None]
+        aggregated = self._aggregates(**kwargs)
         grads, variables = (list(part) for part in zip(
             *self._aggregate(pairs, **kwargs)))
         self._build(variables)
@@ -130,10 +131,13 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
             return self._apply_aggregated(list(zip(grads, variables)), name)
 
         # Summed by the inner optimizer (`_aggregate`), or by the caller who
-        # said so: every replica holds the same gradients.
+        # said so, which the step cannot take on trust.
+        parts = (loss_scaled_step.FULL_STEP if aggregated
+                 else loss_scaled_step.summed_by_caller(
+                     loss_scaled_step.FULL_STEP))
         step = loss_scaled_step.apply_or_skip(
             self._loss_scale, grads, variables, apply_fn, self._skip_record,
-            stats=self._stats_for(variables), summed=True)
+            stats=self._stats_for(variables), parts=parts, summed=True)
         return self.iterations if step is None else step
 
     def _warn_if_not_scaled(self):
@@ -217,9 +221,15 @@ class LossScaleOptimizer(_TfKerasWrapper, _tf_keras_lso.LossScaleOptimizerV3):
     def _build_inner(self, var_list):
         self._optimizer.build(var_list)
 
-    def _aggregate(self, pairs, skip_gradients_aggregation=False,
-                   experimental_aggregate_gradients=True):
-        if skip_gradients_aggregation or not experimental_aggregate_gradients:
+    @staticmethod
+    def _aggregates(skip_gradients_aggregation=False,
+                    experimental_aggregate_gradients=True):
+        """Whether the inner optimizer sums the gradients (not the caller)."""
+        return (experimental_aggregate_gradients
+                and not skip_gradients_aggregation)
+
+    def _aggregate(self, pairs, **kwargs):
+        if not self._aggregates(**kwargs):
             return pairs
         return list(self._optimizer.aggregate_gradients(pairs))
 
@@ -269,8 +279,13 @@ class LegacyLossScaleOptimizer(_TfKerasWrapper,
             self, grads_and_vars, name,
             experimental_aggregate_gradients=experimental_aggregate_gradients)
 
-    def _aggregate(self, pairs, experimental_aggregate_gradients=True):
-        if not experimental_aggregate_gradients:
+    @staticmethod
+    def _aggregates(experimental_aggregate_gradients=True):
+        """Whether the inner optimizer sums the gradients (not the caller)."""
+        return experimental_aggregate_gradients
+
+    def _aggregate(self, pairs, **kwargs):
+        if not self._aggregates(**kwargs):
             return pairs
         return list(private_api.tf_keras_aggregate_legacy(self._optimizer,
                                                           pairs))
