@@ -58,17 +58,44 @@ class LayerwiseModel(keras.Model):
         # The tuple is no state of its own.
         object.__setattr__(self, "_factor_state", rule_lib.FactorState(*(
             getattr(self, f"_{name}") for name, _, _ in _STATE)))
-        top = lower
-
-        def factor(segment):
-            if segment == top:
-                return None
-            return tf.gather(tf.convert_to_tensor(self._factor_state.factors),
-                             segment)
-
+        pairs = sorted({(layer.producer, layer.consumer)
+                        for layer in self.layers
+                        if isinstance(layer, boundary.GradientScaling)})
+        object.__setattr__(self, "_boundary_pairs", pairs)
+        object.__setattr__(self, "_ratios", None)
         for layer in self.layers:
             if isinstance(layer, boundary.GradientScaling):
-                layer.bind(factor)
+                layer.bind(self._ratio)
+
+    def _boundary_ratios(self):
+        """`{(producer, consumer): F_producer / F_consumer}` for every
+        boundary, from one read of the factors (the top's is 1)."""
+        pairs = self._boundary_pairs
+        if not pairs:
+            return {}
+        factors = tf.concat([tf.convert_to_tensor(self._factor_state.factors),
+                             tf.ones([1])], axis=0)
+        producers, consumers = zip(*pairs)
+        ratios = (tf.gather(factors, producers)
+                  / tf.gather(factors, consumers))
+        return dict(zip(pairs, tf.unstack(ratios, num=len(pairs))))
+
+    def _ratio(self, producer, consumer):
+        """A boundary's ratio: this call's (see `call`), or read alone when
+        a boundary runs outside it."""
+        ratios = self._ratios
+        if ratios is None:
+            ratios = self._boundary_ratios()
+        return ratios[(producer, consumer)]
+
+    def call(self, *args, **kwargs):
+        """Keras' own, with every boundary's ratio computed once: one
+        gather and one divide for all of them, not a few ops each."""
+        object.__setattr__(self, "_ratios", self._boundary_ratios())
+        try:
+            return super().call(*args, **kwargs)
+        finally:
+            object.__setattr__(self, "_ratios", None)
 
     @property
     def segments(self):
