@@ -69,16 +69,16 @@ class LayerwiseModel(keras.Model):
 
     def _boundary_ratios(self):
         """`{(producer, consumer): F_producer / F_consumer}` for every
-        boundary, from one read of the factors (the top's is 1)."""
+        boundary, from one read of the factors (the top's is 1): a divide a
+        boundary, none into the top."""
         pairs = self._boundary_pairs
-        if not pairs:
-            return {}
-        factors = tf.concat([tf.convert_to_tensor(self._factor_state.factors),
-                             tf.ones([1])], axis=0)
-        producers, consumers = zip(*pairs)
-        ratios = (tf.gather(factors, producers)
-                  / tf.gather(factors, consumers))
-        return dict(zip(pairs, tf.unstack(ratios, num=len(pairs))))
+        top = len(self._segments) - 1
+        factors = tf.unstack(tf.convert_to_tensor(self._factor_state.factors),
+                             num=top) if pairs else []
+        return {(producer, consumer): factors[producer] if consumer == top
+                else 1.0 / factors[consumer] if producer == top
+                else factors[producer] / factors[consumer]
+                for producer, consumer in pairs}
 
     def _ratio(self, producer, consumer):
         """A boundary's ratio: this call's (see `call`), or read alone when

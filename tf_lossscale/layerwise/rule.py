@@ -36,7 +36,7 @@ step's all-finite flag: the single-scale rule, bit for bit. Why statistics
 and a margin, and not one of the two alone: docs/guides/per-layer-scaling.md.
 """
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import tensorflow as tf
 
@@ -100,11 +100,14 @@ class Figures(NamedTuple):
     top_measured: bool scalar: some replica measured the top's as > 0.
     log2_ratio: float32 vector over the lower segments: log2(u_top / u_k),
       averaged over the informed replicas (0 where none was).
+    all_finite: bool scalar, no element of `nonfinite` True (None: computed
+      from it).
     """
     nonfinite: tf.Tensor
     informed: tf.Tensor
     top_measured: tf.Tensor
     log2_ratio: tf.Tensor
+    all_finite: Optional[tf.Tensor] = None
 
 
 def next_factor_state(state, figures, rule):
@@ -120,26 +123,30 @@ def next_factor_state(state, figures, rule):
       `(new_state, top_finite)`: the next `FactorState`, and the flag the
       loss scale S is updated with (a bool scalar).
     """
-    nonfinite = figures.nonfinite
-    lower = tf.shape(state.factors)[0]
-    all_finite = tf.logical_not(tf.reduce_any(nonfinite))
-    # Blame: the highest non-finite segment (-1: none).
-    indices = tf.range(lower + 1)
-    blamed = tf.reduce_max(tf.where(nonfinite, indices, -1))
-    lower_indices = indices[:-1]
-    known = lower_indices >= blamed
-    finite = tf.logical_not(nonfinite[:-1])
+    lower = state.factors.shape[0]
+    one = tf.constant(1.0)
+    flags = tf.cast(figures.nonfinite, tf.float32)
+    # Per segment: 2 * (non-finite segments above it) + its own flag. Blame
+    # goes to the one at 1; those at 0 or 1 learned something.
+    above = tf.math.cumsum(flags, exclusive=True, reverse=True)
+    code, _ = tf.split(above + above + flags, [lower, 1])
+    blamed = tf.equal(code, one)
+    known = code <= one
+    all_finite = figures.all_finite
+    if all_finite is None:
+        all_finite = tf.logical_not(tf.reduce_any(figures.nonfinite))
 
+    # Where known, a segment is finite unless blamed; elsewhere the move is
+    # discarded.
     moved, at_floor = dynamic_rule.next_dynamic_state(
         dynamic_rule.DynamicState(state.margins, state.good_steps),
-        finite, rule.margin_rule())
+        tf.logical_not(blamed), rule.margin_rule())
     # S backs off for the top, and for a blamed segment whose own scale
     # cannot: its margin was at its floor, or its factor is; or it is not
     # scaled above the top (F <= 1): S itself is too high for it, and the
     # next batches would find the same of every segment, one at a time.
-    blamed_lower = tf.equal(lower_indices, blamed)
-    stuck = tf.logical_and(blamed_lower, tf.logical_or(
-        at_floor, state.factors <= tf.maximum(rule.min_factor, 1.0)))
+    stuck = tf.logical_and(blamed, tf.logical_or(
+        at_floor, state.factors <= max(rule.min_factor, 1.0)))
     learned = tf.logical_and(known, tf.logical_not(stuck))
     margins = tf.where(learned, moved.scale, state.margins)
     good_steps = tf.where(learned, moved.good_steps, state.good_steps)
@@ -152,6 +159,8 @@ def next_factor_state(state, figures, rule):
     factors = tf.clip_by_value(alignment * margins, rule.min_factor,
                                rule.max_factor)
 
-    top_finite = tf.logical_not(
-        tf.logical_or(nonfinite[-1], tf.reduce_any(stuck)))
+    # S's flag: finite, or a lower segment took the blame itself (at most
+    # one segment is blamed: when it is the top, no lower one is).
+    top_finite = tf.logical_or(all_finite, tf.reduce_any(
+        tf.logical_and(blamed, learned)))
     return FactorState(factors, margins, good_steps), top_finite

@@ -2,7 +2,8 @@
 
 `all_finite(grads)` is a scalar bool tensor, True iff no element of any
 gradient is NaN or +-Inf; `nonfinite_flags(grads)` gives that verdict per
-gradient. Both are exact and stay on the gradients' devices. Small gradients
+gradient, and `largest_magnitudes(values)` each gradient's largest |value|,
+which is not finite exactly where the gradient is not. All are exact and stay on the gradients' devices. Small gradients
 (up to 65,536 values) of one dtype and static shape are checked stacked. In
 `all_finite`, every output of one split (`unscaling`'s packs) is checked
 through its input (graphs only), and larger gradients by their sum, which
@@ -139,3 +140,40 @@ def nonfinite_flags(grads):
     if not finite:
         return tf.zeros([0], tf.bool)
     return tf.logical_not(tf.stack(finite))
+
+
+def largest_magnitudes(values):
+    """`(largest, order)`: `largest` a float32 vector, each tensor's largest
+    |value| (0 for an empty one), +inf where it holds +-Inf and NaN where it
+    holds NaN: TensorFlow's `Max` kernels and XLA's maximum propagate NaN,
+    so it is finite exactly where the tensors are (a float64 tensor beyond
+    float32's range counts as +inf). `largest[i]` is that of
+    `values[order[i]]`: small tensors of one shape are measured stacked."""
+    axes = {}
+
+    def largest(value, first):
+        # One constant of reduction axes for each rank, not one a reduction.
+        rank = value.shape.rank
+        if (first, rank) not in axes:
+            axes[first, rank] = tf.constant(list(range(first, rank)), tf.int32)
+        top = tf.reduce_max(tf.abs(value), axis=axes[first, rank])
+        if value.shape.num_elements() is None:  # Empty: the lowest float.
+            top = tf.where(tf.size(value) > 0, top, tf.zeros_like(top))
+        return tf.cast(top, tf.float32)
+
+    empty = [i for i, v in enumerate(values) if v.shape.num_elements() == 0]
+    rest = [i for i in range(len(values)) if i not in empty]
+    scalars = [tf.constant(0.0)] * len(empty)
+    order, vectors, stacked_order = list(empty), [], []
+    for group, value in _stacks([values[i] for i in rest]):
+        if len(group) == 1:
+            scalars.append(largest(value, 0))
+            order.append(rest[group[0]])
+        else:
+            vectors.append(largest(value, 1))
+            stacked_order += [rest[i] for i in group]
+    pieces = ([tf.stack(scalars)] if scalars else []) + vectors
+    if not pieces:
+        return tf.zeros([0]), []
+    return (pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=0),
+            order + stacked_order)
