@@ -11,6 +11,7 @@ record, S's failure policy and its XLA record.
 """
 
 import collections
+import math
 
 import tensorflow as tf
 
@@ -19,6 +20,8 @@ from tf_lossscale.loss_scales import xla_record
 from tf_lossscale.ops import finiteness
 from tf_lossscale.ops import replicas
 from tf_lossscale.step import loss_scaled_step
+
+_LN2 = math.log(2.0)  # float32 rounds it as it does tf.math.log(2.0).
 
 
 class SegmentedStep:
@@ -91,9 +94,9 @@ def _unscale(grads, variables, scale, segments, factors, top):
 def _figures(grads, segments, top):
     """One replica's figures, a float32 vector of three rows with one
     element a segment (the top's last): 1 where its gradients hold NaN or
-    Inf; 1 where informed (every gradient finite, and both its largest
-    magnitude and the top's > 0; the top's: whether its own is); log2(u_top
-    / u_k) where informed, else 0.
+    Inf; 1 where informed (both its largest magnitude and the top's finite
+    and > 0; the top's: whether its own is); log2(u_top / u_k) where
+    informed, else 0.
 
     From one vector of every gradient's largest magnitude (not finite where
     the gradient is not), reduced per segment in one segment maximum.
@@ -102,20 +105,19 @@ def _figures(grads, segments, top):
     largest, order = finiteness.largest_magnitudes(
         [finiteness.dense_values(grads[i]) for i in present])
     ids = [segments[present[i]] for i in order]
-    finite = tf.math.is_finite(largest)
-    zero = tf.constant(0.0)
+    zero, inf = tf.constant(0.0), tf.constant(float("inf"))
     # Non-finite as +inf: whatever the segment maximum does with NaN. An
     # empty segment's maximum is the lowest float: no figure, 0.
     per_segment = tf.maximum(tf.math.unsorted_segment_max(
-        tf.where(finite, largest, float("inf")), tf.constant(ids, tf.int32),
-        top + 1), zero)
-    logs = tf.math.log(per_segment) / tf.math.log(2.0)
-    # Finite exactly where both maxima are finite and > 0.
+        tf.where(tf.math.is_finite(largest), largest, inf),
+        tf.constant(ids, tf.int32), top + 1), zero)
+    logs = tf.math.log(per_segment) / _LN2
+    # Finite exactly where both maxima are finite and > 0. The rule reads
+    # them on all-finite steps only.
     ratios = tf.unstack(logs, num=top + 1)[top] - logs
-    informed = tf.logical_and(tf.math.is_finite(ratios),
-                              tf.reduce_all(finite))
+    informed = tf.math.is_finite(ratios)
     return tf.concat([
-        tf.cast(tf.logical_not(tf.math.is_finite(per_segment)), tf.float32),
+        tf.cast(tf.equal(per_segment, inf), tf.float32),
         tf.cast(informed, tf.float32), tf.where(informed, ratios, zero)],
                      axis=0)
 
