@@ -98,19 +98,18 @@ def _figures(grads, segments, top):
     and > 0; the top's: whether its own is); log2(u_top / u_k) where
     informed, else 0.
 
-    From one vector of every gradient's largest magnitude (not finite where
-    the gradient is not), reduced per segment in one segment maximum.
+    From one vector of every gradient's largest magnitude (+inf where the
+    gradient is not finite), reduced per segment in one segment maximum.
     """
     present = [i for i, g in enumerate(grads) if g is not None]
     largest, order = finiteness.largest_magnitudes(
-        [finiteness.dense_values(grads[i]) for i in present])
+        [finiteness.dense_values(grads[i]) for i in present],
+        xla=xla_record.in_xla_context())
     ids = [segments[present[i]] for i in order]
     zero, inf = tf.constant(0.0), tf.constant(float("inf"))
-    # Non-finite as +inf: whatever the segment maximum does with NaN. An
-    # empty segment's maximum is the lowest float: no figure, 0.
+    # An empty segment's maximum is the lowest float: no figure, 0.
     per_segment = tf.maximum(tf.math.unsorted_segment_max(
-        tf.where(tf.math.is_finite(largest), largest, inf),
-        tf.constant(ids, tf.int32), top + 1), zero)
+        largest, tf.constant(ids, tf.int32), top + 1), zero)
     logs = tf.math.log(per_segment) / _LN2
     # Finite exactly where both maxima are finite and > 0. The rule reads
     # them on all-finite steps only.

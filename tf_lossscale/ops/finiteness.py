@@ -142,38 +142,55 @@ def nonfinite_flags(grads):
     return tf.logical_not(tf.stack(finite))
 
 
-def largest_magnitudes(values):
+def largest_magnitudes(values, xla=False):
     """`(largest, order)`: `largest` a float32 vector, each tensor's largest
-    |value| (0 for an empty one), +inf where it holds +-Inf and NaN where it
-    holds NaN: TensorFlow's `Max` kernels and XLA's maximum propagate NaN,
-    so it is finite exactly where the tensors are (a float64 tensor beyond
-    float32's range counts as +inf). `largest[i]` is that of
-    `values[order[i]]`: small tensors of one shape are measured stacked."""
+    |value| (0 for an empty one), +inf where it holds NaN or +-Inf: finite
+    exactly where the tensor is (a float64 tensor beyond float32's range
+    counts as +inf). `largest[i]` is that of `values[order[i]]`: small
+    tensors of one shape are measured stacked. `xla`: whether XLA compiles
+    the ops (checked while tracing), whose maximum may drop NaN."""
     axes = {}
 
-    def largest(value, first):
+    def extremes(value, first):
+        """Without XLA, the largest and the smallest value (two reads, and
+        no |value| written out; TensorFlow's Max and Min kernels propagate
+        NaN: Eigen::PropagateNaN); under XLA, the largest magnitude, NaN
+        made +inf (one fused reduction)."""
         # One constant of reduction axes for each rank, not one a reduction.
         rank = value.shape.rank
         if (first, rank) not in axes:
             axes[first, rank] = tf.constant(list(range(first, rank)), tf.int32)
-        top = tf.reduce_max(tf.abs(value), axis=axes[first, rank])
+        axis = axes[first, rank]
+        if xla:
+            magnitudes = tf.abs(value)
+            found = [tf.reduce_max(tf.where(
+                tf.math.is_nan(magnitudes),
+                tf.constant(float("inf"), value.dtype), magnitudes), axis=axis)]
+        else:
+            found = [tf.reduce_max(value, axis=axis),
+                     tf.reduce_min(value, axis=axis)]
         if value.shape.num_elements() is None:  # Empty: the lowest float.
-            top = tf.where(tf.size(value) > 0, top, tf.zeros_like(top))
-        return tf.cast(top, tf.float32)
+            found = [tf.where(tf.size(value) > 0, x, tf.zeros_like(x))
+                     for x in found]
+        return [tf.cast(x, tf.float32) for x in found]
 
     empty = [i for i, v in enumerate(values) if v.shape.num_elements() == 0]
     rest = [i for i in range(len(values)) if i not in empty]
-    scalars = [tf.constant(0.0)] * len(empty)
+    scalars = [[tf.constant(0.0)] * (1 if xla else 2)] * len(empty)
     order, vectors, stacked_order = list(empty), [], []
     for group, value in _stacks([values[i] for i in rest]):
         if len(group) == 1:
-            scalars.append(largest(value, 0))
+            scalars.append(extremes(value, 0))
             order.append(rest[group[0]])
         else:
-            vectors.append(largest(value, 1))
+            vectors.append(extremes(value, 1))
             stacked_order += [rest[i] for i in group]
-    pieces = ([tf.stack(scalars)] if scalars else []) + vectors
-    if not pieces:
+    if scalars:
+        vectors.insert(0, [tf.stack(list(x)) for x in zip(*scalars)])
+    if not vectors:
         return tf.zeros([0]), []
-    return (pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=0),
+    found = vectors[0] if len(vectors) == 1 else [
+        tf.concat(list(x), axis=0) for x in zip(*vectors)]
+    top = found[0] if xla else tf.maximum(found[0], -found[1])
+    return (tf.where(tf.math.is_nan(top), float("inf"), top),
             order + stacked_order)
