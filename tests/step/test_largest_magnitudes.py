@@ -1,8 +1,8 @@
 """`finiteness.largest_magnitudes`: each gradient's largest |value|, +inf
 exactly where the gradient is not finite (per-layer scaling's check reads
-both from it; XLA's maximum may drop NaN). Compared with the definition, computed in numpy, eagerly,
-traced and under XLA, for NaN and Inf at every position of stacked, single
-and empty gradients."""
+both from it; XLA's maximum may drop NaN). Compared with the definition,
+computed in numpy, eagerly, traced and under XLA, for NaN and Inf at every
+position of stacked, single and empty gradients."""
 
 import numpy as np
 import pytest

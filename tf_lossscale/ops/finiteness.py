@@ -3,8 +3,9 @@
 `all_finite(grads)` is a scalar bool tensor, True iff no element of any
 gradient is NaN or +-Inf; `nonfinite_flags(grads)` gives that verdict per
 gradient, and `largest_magnitudes(values)` each gradient's largest |value|,
-which is not finite exactly where the gradient is not. All are exact and stay on the gradients' devices. Small gradients
-(up to 65,536 values) of one dtype and static shape are checked stacked. In
++inf exactly where the gradient is not finite. All are exact and stay on
+the gradients' devices. Small gradients (up to 65,536 values) of one dtype
+and static shape are checked stacked. In
 `all_finite`, every output of one split (`unscaling`'s packs) is checked
 through its input (graphs only), and larger gradients by their sum, which
 NaN or +-Inf make non-finite: only a non-finite sum (maybe an overflow)
@@ -163,9 +164,9 @@ def largest_magnitudes(values, xla=False):
         axis = axes[first, rank]
         if xla:
             magnitudes = tf.abs(value)
+            infinity = tf.constant(float("inf"), value.dtype)
             found = [tf.reduce_max(tf.where(
-                tf.math.is_nan(magnitudes),
-                tf.constant(float("inf"), value.dtype), magnitudes), axis=axis)]
+                tf.math.is_nan(magnitudes), infinity, magnitudes), axis=axis)]
         else:
             found = [tf.reduce_max(value, axis=axis),
                      tf.reduce_min(value, axis=axis)]
