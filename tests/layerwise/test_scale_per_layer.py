@@ -66,6 +66,23 @@ def test_scaled_model_computes_what_the_original_does_from_its_weights(build):
         np.testing.assert_array_equal(now, then)
 
 
+def test_the_scaled_model_passes_training_to_its_layers():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((models.FEATURES,)),
+        keras.layers.Dense(5, dtype="mixed_float16", name="one"),
+        keras.layers.Dropout(0.5, name="drop"),
+        keras.layers.Dense(1, dtype="float32", name="two")])
+    model.compile(tf_lossscale.LossScaleOptimizer(keras.optimizers.SGD()),
+                  "mse")
+    x, _ = models.data()
+
+    scaled = layerwise.scale_per_layer(model)
+
+    np.testing.assert_array_equal(scaled(x, training=False), model(x))
+    assert not np.array_equal(scaled(x, training=True), model(x))
+
+
 def test_segments_start_at_each_weighted_layer_or_where_asked():
     model = _sequential()
 

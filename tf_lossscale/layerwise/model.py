@@ -88,12 +88,14 @@ class LayerwiseModel(keras.Model):
             ratios = self._boundary_ratios()
         return ratios[(producer, consumer)]
 
-    def call(self, *args, **kwargs):
-        """Keras' own, with every boundary's ratio computed once: one
-        gather and one divide for all of them, not a few ops each."""
+    def call(self, inputs, training=None, mask=None, **kwargs):
+        """Keras' own (its signature too: Keras passes `training` and `mask`
+        only to a `call` that names them), with every boundary's ratio from
+        one read of the factors."""
         object.__setattr__(self, "_ratios", self._boundary_ratios())
         try:
-            return super().call(*args, **kwargs)
+            return super().call(inputs, training=training, mask=mask,
+                                **kwargs)
         finally:
             object.__setattr__(self, "_ratios", None)
 
