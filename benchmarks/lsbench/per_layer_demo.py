@@ -12,7 +12,8 @@ the gain were 1. The task: y = sum(sin(x W)) for a fixed W, 16 features.
 `runs(steps)` trains it four ways from the same weights and data: float32;
 mixed_float16 with the default dynamic loss scale; with a fixed scale at the
 top of the range the diagnosis advises (the best single scale); and scaled
-per layer. `shares` diagnoses the model and its per-layer copy.
+per layer, with segments where the diagnosis finds the gradients'
+magnitudes parting. `shares` diagnoses the model and its per-layer copy.
 """
 
 import time
@@ -130,8 +131,10 @@ def runs(steps=300, points=10, width=32, examples=256, scales=None):
         "single scale (dynamic)": model("mixed_float16", width),
         f"single scale (fixed 2^{np.log2(best):.0f})": model(
             "mixed_float16", width, loss_scale=fixed),
+        # Segments where the diagnosis finds the magnitudes parting.
         "per-layer scaling": layerwise.scale_per_layer(
-            model("mixed_float16", width)),
+            model("mixed_float16", width),
+            segments=report.gradient_maxima()),
     }
     results = {name: _fit(compiled, x, y, steps, points)
                for name, compiled in trained.items()}

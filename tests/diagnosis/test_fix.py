@@ -309,6 +309,8 @@ def test_fix_per_layer_keeps_underflowing_layers_float16_and_scales_them():
     fixed = report.fix(model, per_layer=True)
 
     assert isinstance(fixed, tf_lossscale.layerwise.LayerwiseModel)
+    # One boundary, where the gradients' magnitudes part (2**-38).
+    assert fixed.segments == [["low_1", "low_2", "gain"], ["high", "head"]]
     # Every layer as it was (the scaled model adds its boundaries).
     assert {name: policy for name, policy in _policies(fixed).items()
             if name in _policies(model)} == _policies(model)

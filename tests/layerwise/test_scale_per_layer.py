@@ -66,6 +66,23 @@ def test_scaled_model_computes_what_the_original_does_from_its_weights(build):
         np.testing.assert_array_equal(now, then)
 
 
+def test_the_scaled_model_passes_training_to_its_layers():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((models.FEATURES,)),
+        keras.layers.Dense(5, dtype="mixed_float16", name="one"),
+        keras.layers.Dropout(0.5, name="drop"),
+        keras.layers.Dense(1, dtype="float32", name="two")])
+    model.compile(tf_lossscale.LossScaleOptimizer(keras.optimizers.SGD()),
+                  "mse")
+    x, _ = models.data()
+
+    scaled = layerwise.scale_per_layer(model)
+
+    np.testing.assert_array_equal(scaled(x, training=False), model(x))
+    assert not np.array_equal(scaled(x, training=True), model(x))
+
+
 def test_segments_start_at_each_weighted_layer_or_where_asked():
     model = _sequential()
 
@@ -80,6 +97,20 @@ def test_segments_start_at_each_weighted_layer_or_where_asked():
     assert halves.segments == [["one", "norm", "act"], ["two", "three"]]
     assert named.segments == [["one", "norm", "act", "two"], ["three"]]
     assert _boundaries(named) == [(0, 1)]
+
+
+def test_magnitudes_start_segments_only_where_the_gradients_part():
+    model = _sequential()
+
+    # "two" within 2**8 of "one": one segment; "three" 2**20 below it.
+    parted = layerwise.scale_per_layer(model, segments={
+        "one": 1.0, "norm": 2.0 ** 30, "two": 2.0 ** -7, "three": 2.0 ** -27})
+
+    assert parted.segments == [["one", "norm", "act", "two"], ["three"]]
+    assert _boundaries(parted) == [(0, 1)]
+    with pytest.raises(ValueError, match="lie within 2\\*\\*8 of each other"):
+        layerwise.scale_per_layer(model, segments={
+            "one": 1.0, "two": 2.0 ** 8, "three": None})
 
 
 def test_boundaries_sit_on_every_edge_between_segments_of_a_branched_model():
@@ -227,6 +258,8 @@ def test_models_it_cannot_rebuild_are_refused_by_name(make, error, message):
     (9, ValueError, "more segments than"),
     ("blocks", TypeError, "segments must be"),
     (2.5, TypeError, "segments must be"),
+    ({"one": 1.0, "nowhere": 1.0}, ValueError, "names no top-level layer"),
+    ({"one": -1.0, "three": 1.0}, ValueError, "must be >= 0"),
 ])
 def test_bad_segments_are_refused_by_name(segments, error, message):
     with pytest.raises(error, match=message):

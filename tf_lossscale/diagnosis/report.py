@@ -85,8 +85,9 @@ class Float16Diagnosis:
         finite; every other layer keeps its dtype policy. With `per_layer`,
         layers advised into float32 only for gradients that underflow stay
         in float16, and the model's gradients are scaled per layer instead
-        (`tf_lossscale.layerwise.scale_per_layer`, Keras 3 only): a
-        `LayerwiseModel`. Every layer of the
+        (`tf_lossscale.layerwise.scale_per_layer`, Keras 3 only), with
+        segments where the layers' gradient magnitudes part
+        (`gradient_maxima`): a `LayerwiseModel`. Every layer of the
         new model is checked to compute as intended (nested ones, and those
         a layer makes itself, included). Compiled as `model` was, with a
         `LossScaleOptimizer` around a new inner optimizer from the
@@ -106,7 +107,9 @@ class Float16Diagnosis:
             `scale_per_layer` does not take (tf-keras).
           ValueError: `model` is not the model diagnosed, or not compiled;
             no choice of float32 layers makes the forward pass finite (NaN
-            or Inf in the inputs, or in a float32 layer's outputs).
+            or Inf in the inputs, or in a float32 layer's outputs); with
+            `per_layer`, gradient magnitudes that do not part (one loss
+            scale holds them: one segment).
         """
         models.check_model(model, "fix")
         per_layer = checks.boolean("per_layer", per_layer)
@@ -163,7 +166,9 @@ class Float16Diagnosis:
                 **models.keras_module(model).saving.deserialize_keras_object(
                     settings))
         if per_layer:
-            return layerwise.scale_per_layer(fixed)
+            # Segments where the gradients' magnitudes part, and only there.
+            return layerwise.scale_per_layer(
+                fixed, segments=self.gradient_maxima())
         return fixed
 
     @staticmethod
@@ -184,6 +189,17 @@ class Float16Diagnosis:
                 "computes them as the original did. Save weights, not the "
                 "model, or give that layer a dtype policy map "
                 "(keras.dtype_policies.DTypePolicyMap)", stacklevel=3)
+
+    def gradient_maxima(self):
+        """`{layer path: the largest float32 gradient of its trainable
+        variables}` at loss scale 1 (0 where none was measured): where they
+        part, `layerwise.scale_per_layer(model, segments=...)` starts a
+        segment."""
+        maxima = {}
+        for row in self._figures["variables"]:
+            maxima[row["layer"]] = max(maxima.get(row["layer"], 0.0),
+                                       row["gradient_max"] or 0.0)
+        return maxima
 
     def overflow_bound_log2(self):
         """log2 of the largest loss scale the float16 gradients measured in

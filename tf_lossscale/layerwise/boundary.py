@@ -12,15 +12,20 @@ import keras
 import tensorflow as tf
 
 
-@tf.custom_gradient
 def _rescaled_backward(x, ratio):
     """`x`; its gradient is multiplied by `ratio` (a float32 scalar)."""
 
-    def grad(upstream):
-        wide = tf.cast(upstream, tf.float32) * ratio
-        return tf.cast(wide, upstream.dtype), None
+    # `ratio` is closed over, not an input: a gradient for it would be
+    # zeros the tape builds and nobody reads.
+    @tf.custom_gradient
+    def rescaled(x):
+        def grad(upstream):
+            wide = tf.cast(upstream, tf.float32) * ratio
+            return tf.cast(wide, upstream.dtype)
 
-    return tf.identity(x), grad
+        return x, grad
+
+    return rescaled(x)
 
 
 @keras.saving.register_keras_serializable(package="tf_lossscale")
@@ -28,7 +33,7 @@ class GradientScaling(keras.layers.Layer):
     """Identity forward; backward, the gradient times F_producer / F_consumer.
 
     Made by `tf_lossscale.layerwise.scale_per_layer`, which puts one on every
-    edge of the model's graph between two segments; the factors are the
+    edge of the model's graph between two segments; the ratio is the
     `LayerwiseModel`'s, bound to the layer when that model is made. Unbound
     (in a model of another class) its gradient passes unchanged.
 
@@ -44,24 +49,18 @@ class GradientScaling(keras.layers.Layer):
         self.consumer = int(consumer)
         self.supports_masking = True
         # Not tracked: the factors are the model's variables, saved there.
-        object.__setattr__(self, "_factors", None)
+        object.__setattr__(self, "_ratio", None)
 
-    def bind(self, factors):
-        """Called by the model that holds the factors: `factors(k)` is
-        segment k's factor, a float32 scalar tensor, or None for 1."""
-        object.__setattr__(self, "_factors", factors)
+    def bind(self, ratio):
+        """Called by the model that holds the factors: `ratio(producer,
+        consumer)` is F_producer / F_consumer, a float32 scalar tensor."""
+        object.__setattr__(self, "_ratio", ratio)
 
     def call(self, inputs):
-        factors = self._factors
-        if factors is None:
+        if self._ratio is None:
             return tf.identity(inputs)
-        # The top segment's factor is 1 (None).
-        ratio, below = factors(self.producer), factors(self.consumer)
-        if ratio is None:
-            ratio = 1.0 / below
-        elif below is not None:
-            ratio = ratio / below
-        return _rescaled_backward(inputs, ratio)
+        return _rescaled_backward(inputs,
+                                  self._ratio(self.producer, self.consumer))
 
     def compute_output_shape(self, input_shape):
         return input_shape

@@ -58,17 +58,46 @@ class LayerwiseModel(keras.Model):
         # The tuple is no state of its own.
         object.__setattr__(self, "_factor_state", rule_lib.FactorState(*(
             getattr(self, f"_{name}") for name, _, _ in _STATE)))
-        top = lower
-
-        def factor(segment):
-            if segment == top:
-                return None
-            return tf.gather(tf.convert_to_tensor(self._factor_state.factors),
-                             segment)
-
+        pairs = sorted({(layer.producer, layer.consumer)
+                        for layer in self.layers
+                        if isinstance(layer, boundary.GradientScaling)})
+        object.__setattr__(self, "_boundary_pairs", pairs)
+        object.__setattr__(self, "_ratios", None)
         for layer in self.layers:
             if isinstance(layer, boundary.GradientScaling):
-                layer.bind(factor)
+                layer.bind(self._ratio)
+
+    def _boundary_ratios(self):
+        """`{(producer, consumer): F_producer / F_consumer}` for every
+        boundary, from one read of the factors (the top's is 1): a divide a
+        boundary, none into the top."""
+        pairs = self._boundary_pairs
+        top = len(self._segments) - 1
+        factors = tf.unstack(tf.convert_to_tensor(self._factor_state.factors),
+                             num=top) if pairs else []
+        return {(producer, consumer): factors[producer] if consumer == top
+                else 1.0 / factors[consumer] if producer == top
+                else factors[producer] / factors[consumer]
+                for producer, consumer in pairs}
+
+    def _ratio(self, producer, consumer):
+        """A boundary's ratio: this call's (see `call`), or read alone when
+        a boundary runs outside it."""
+        ratios = self._ratios
+        if ratios is None:
+            ratios = self._boundary_ratios()
+        return ratios[(producer, consumer)]
+
+    def call(self, inputs, training=None, mask=None, **kwargs):
+        """Keras' own (its signature too: Keras passes `training` and `mask`
+        only to a `call` that names them), with every boundary's ratio from
+        one read of the factors."""
+        object.__setattr__(self, "_ratios", self._boundary_ratios())
+        try:
+            return super().call(inputs, training=training, mask=mask,
+                                **kwargs)
+        finally:
+            object.__setattr__(self, "_ratios", None)
 
     @property
     def segments(self):

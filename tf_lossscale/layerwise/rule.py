@@ -3,40 +3,13 @@
 A scaled model is cut into segments, numbered from its inputs to its output;
 the last, the top, is scaled by the loss scale S alone, every segment k below
 it by S * F_k, so each segment's gradients can sit where float16 holds them.
-State per lower segment k (vectors, one element a segment): the factor F_k
-(float32), its margin M_k in [2**-24, 1] (float32) and good steps G_k
-(int64). One step, from what every replica and worker agreed on:
-
-* Blame: the segment nearest the top whose gradients are not finite. A NaN
-  or Inf runs down the backward pass into every segment below the one where
-  it appeared, so only that segment's scale is known to be too high; the
-  segments below it learn nothing this step (their state is kept), those
-  above it had a finite step.
-* Margins: TensorFlow's dynamic rule (`dynamic_rule.next_dynamic_state`,
-  multiplier 2, `increment_period`) on the margins of the segments that
-  learned something: the blamed one halves its margin, those above count a
-  good step and double theirs after `increment_period` of them, up to 1.
-* Alignment, on a step whose gradients are all finite: A_k = 2**floor(
-  log2(u_top / u_k)), u being the largest magnitude of a segment's unscaled
-  gradients (over replicas, the geometric mean of their largest): the factor
-  that puts the segment's largest gradient level with the top's, wherever
-  the dynamic S puts that. A segment whose gradients were all 0 while the
-  top's were not (flushed to 0, or none) climbs 8 binades a step (all below
-  float16's smallest subnormal, they cannot overflow there); without
-  figures, A_k is kept. A_k = F_k / M_k is not stored.
-* F_k = clip(A_k * M_k, min_factor, max_factor).
-* S's flag: finite, unless the top's gradients were not finite, or the
-  blamed segment is not scaled above the top (F_k <= 1: S itself is too
-  high for it) or can back off no further (its margin or factor at its
-  floor): then S backs off, under S's own failure policy, and the blamed
-  segment's margin is kept.
-
-With `min_factor == max_factor == 1` every F_k stays 1 and S's flag is the
-step's all-finite flag: the single-scale rule, bit for bit. Why statistics
-and a margin, and not one of the two alone: docs/guides/per-layer-scaling.md.
+`next_factor_state` is one step of the rule, and its specification. With
+`min_factor == max_factor == 1` every F_k stays 1 and S's flag is the step's
+all-finite flag: the single-scale rule, bit for bit. Why statistics and a
+margin, and not one of the two alone: docs/guides/per-layer-scaling.md.
 """
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import tensorflow as tf
 
@@ -100,16 +73,47 @@ class Figures(NamedTuple):
     top_measured: bool scalar: some replica measured the top's as > 0.
     log2_ratio: float32 vector over the lower segments: log2(u_top / u_k),
       averaged over the informed replicas (0 where none was).
+    all_finite: bool scalar, no element of `nonfinite` True (None: computed
+      from it).
     """
     nonfinite: tf.Tensor
     informed: tf.Tensor
     top_measured: tf.Tensor
     log2_ratio: tf.Tensor
+    all_finite: Optional[tf.Tensor] = None
 
 
 def next_factor_state(state, figures, rule):
     """One step of the factor rule as a pure function of tensors, without
     branches (the same code eagerly, in graphs and under XLA).
+
+    State per lower segment k (vectors, one element a segment): the factor F_k
+    (float32), its margin M_k in [2**-24, 1] (float32) and good steps G_k
+    (int64). One step, from what every replica and worker agreed on:
+
+    * Blame: the segment nearest the top whose gradients are not finite. A NaN
+      or Inf runs down the backward pass into every segment below the one where
+      it appeared, so only that segment's scale is known to be too high; the
+      segments below it learn nothing this step (their state is kept), those
+      above it had a finite step.
+    * Margins: TensorFlow's dynamic rule (`dynamic_rule.next_dynamic_state`,
+      multiplier 2, `increment_period`) on the margins of the segments that
+      learned something: the blamed one halves its margin, those above count a
+      good step and double theirs after `increment_period` of them, up to 1.
+    * Alignment, on a step whose gradients are all finite: A_k = 2**floor(
+      log2(u_top / u_k)), u being the largest magnitude of a segment's unscaled
+      gradients (over replicas, the geometric mean of their largest): the
+      factor that puts the segment's largest gradient level with the top's,
+      wherever the dynamic S puts that. A segment whose gradients were all 0
+      while the top's were not (flushed to 0, or none) climbs 8 binades a step
+      (all below float16's smallest subnormal, they cannot overflow there);
+      without figures, A_k is kept. A_k = F_k / M_k is not stored.
+    * F_k = clip(A_k * M_k, min_factor, max_factor).
+    * S's flag: finite, unless the top's gradients were not finite, or the
+      blamed segment is not scaled above the top (F_k <= 1: S itself is too
+      high for it) or can back off no further (its margin or factor at its
+      floor): then S backs off, under S's own failure policy, and the blamed
+      segment's margin is kept.
 
     Args:
       state: the `FactorState` read this step.
@@ -120,26 +124,30 @@ def next_factor_state(state, figures, rule):
       `(new_state, top_finite)`: the next `FactorState`, and the flag the
       loss scale S is updated with (a bool scalar).
     """
-    nonfinite = figures.nonfinite
-    lower = tf.shape(state.factors)[0]
-    all_finite = tf.logical_not(tf.reduce_any(nonfinite))
-    # Blame: the highest non-finite segment (-1: none).
-    indices = tf.range(lower + 1)
-    blamed = tf.reduce_max(tf.where(nonfinite, indices, -1))
-    lower_indices = indices[:-1]
-    known = lower_indices >= blamed
-    finite = tf.logical_not(nonfinite[:-1])
+    lower = state.factors.shape[0]
+    one = tf.constant(1.0)
+    flags = tf.cast(figures.nonfinite, tf.float32)
+    # Per segment: 2 * (non-finite segments above it) + its own flag. Blame
+    # goes to the one at 1; those at 0 or 1 learned something.
+    above = tf.math.cumsum(flags, exclusive=True, reverse=True)
+    code, _ = tf.split(above + above + flags, [lower, 1])
+    blamed = tf.equal(code, one)
+    known = code <= one
+    all_finite = figures.all_finite
+    if all_finite is None:
+        all_finite = tf.logical_not(tf.reduce_any(figures.nonfinite))
 
+    # Where known, a segment is finite unless blamed; elsewhere the move is
+    # discarded.
     moved, at_floor = dynamic_rule.next_dynamic_state(
         dynamic_rule.DynamicState(state.margins, state.good_steps),
-        finite, rule.margin_rule())
+        tf.logical_not(blamed), rule.margin_rule())
     # S backs off for the top, and for a blamed segment whose own scale
     # cannot: its margin was at its floor, or its factor is; or it is not
     # scaled above the top (F <= 1): S itself is too high for it, and the
     # next batches would find the same of every segment, one at a time.
-    blamed_lower = tf.equal(lower_indices, blamed)
-    stuck = tf.logical_and(blamed_lower, tf.logical_or(
-        at_floor, state.factors <= tf.maximum(rule.min_factor, 1.0)))
+    stuck = tf.logical_and(blamed, tf.logical_or(
+        at_floor, state.factors <= max(rule.min_factor, 1.0)))
     learned = tf.logical_and(known, tf.logical_not(stuck))
     margins = tf.where(learned, moved.scale, state.margins)
     good_steps = tf.where(learned, moved.good_steps, state.good_steps)
@@ -152,6 +160,8 @@ def next_factor_state(state, figures, rule):
     factors = tf.clip_by_value(alignment * margins, rule.min_factor,
                                rule.max_factor)
 
-    top_finite = tf.logical_not(
-        tf.logical_or(nonfinite[-1], tf.reduce_any(stuck)))
+    # S's flag: finite, or a lower segment took the blame itself (at most
+    # one segment is blamed: when it is the top, no lower one is).
+    top_finite = tf.logical_or(all_finite, tf.reduce_any(
+        tf.logical_and(blamed, learned)))
     return FactorState(factors, margins, good_steps), top_finite

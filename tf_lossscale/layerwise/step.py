@@ -3,7 +3,8 @@
 
 `SegmentedStep.step` gives the optimizer's apply three replacements for one
 step: the `StepParts` (unscale each gradient by S * F of its segment; check
-each segment's gradients; agree on the figures with one all-reduce), a loss
+each segment's gradients, summed over the replicas: every replica reads
+the same figures, with no collective of their own), a loss
 scale for the step core that updates S and the factors from them
 (`rule.next_factor_state`), and the opted-in gradient statistics at each
 gradient's own scale. Everything else is `loss_scaled_step`'s: the skip, its
@@ -11,6 +12,7 @@ record, S's failure policy and its XLA record.
 """
 
 import collections
+import math
 
 import tensorflow as tf
 
@@ -19,6 +21,8 @@ from tf_lossscale.loss_scales import xla_record
 from tf_lossscale.ops import finiteness
 from tf_lossscale.ops import replicas
 from tf_lossscale.step import loss_scaled_step
+
+_LN2 = math.log(2.0)  # float32 rounds it as it does tf.math.log(2.0).
 
 
 class SegmentedStep:
@@ -55,27 +59,15 @@ class SegmentedStep:
         own."""
         segments = self.segments(variables)
         factors = tf.convert_to_tensor(self._state.factors)
-        scales = _ScalesOf(factors, self.top)
         parts = loss_scaled_step.StepParts(
             unscale=lambda grads, variables, scale: _unscale(
-                grads, variables, scale, segments, scales),
+                grads, variables, scale, segments, factors, self.top),
             check=lambda grads: _figures(grads, segments, self.top),
             agree=replicas.from_summed)
         if stats is not None:
-            stats = _SegmentStats(stats, segments, scales)
-        return _SegmentedUpdate(loss_scale, self._state, self._rule,
+            stats = _SegmentStats(stats, segments, factors, self.top)
+        return _SegmentedUpdate(loss_scale, self._state, factors, self._rule,
                                 self.top), parts, stats
-
-
-class _ScalesOf:
-    """Each segment's factor, read once a step (None for the top's, 1)."""
-
-    def __init__(self, factors, top):
-        self._factors = tf.unstack(factors, num=top) if top else []
-
-    def __call__(self, segment):
-        return (self._factors[segment] if segment < len(self._factors)
-                else None)
 
 
 def _by_segment(segments):
@@ -85,65 +77,61 @@ def _by_segment(segments):
     return groups
 
 
-def _unscale(grads, variables, scale, segments, scales):
+def _unscale(grads, variables, scale, segments, factors, top):
     """`grads / (S * F)`, each by its segment's factor; Keras' float8
     variables keep their gradient as computed."""
     unscaled = list(grads)
     scale = tf.cast(scale, tf.float32)
+    # Every lower segment's S * F in one multiply; the top's is S.
+    divisors = tf.unstack(scale * factors, num=top) + [scale]
     for segment, indices in _by_segment(segments).items():
-        factor = scales(segment)
-        divisor = scale if factor is None else scale * factor
         for index, grad in zip(indices, loss_scaled_step.unscale_for_apply(
                 [grads[i] for i in indices], [variables[i] for i in indices],
-                divisor)):
+                divisors[segment])):
             unscaled[index] = grad
     return unscaled
 
 
 def _figures(grads, segments, top):
-    """One replica's figures, a float32 vector: each segment's non-finite
-    flag (the top's last); each lower segment's informed flag, then its
-    log2(u_top / u_k) where informed; whether the top's largest is > 0.
+    """One replica's figures, a float32 vector of three rows with one
+    element a segment (the top's last): 1 where its gradients hold NaN or
+    Inf; 1 where informed (both its largest magnitude and the top's finite
+    and > 0; the top's: whether its own is); log2(u_top / u_k) where
+    informed, else 0.
 
-    Per gradient one exact finiteness flag (`finiteness.nonfinite_flags`)
-    and one largest magnitude (read only on finite steps: NaN need not win
-    it), then one segment reduction of each.
+    From one vector of every gradient's largest magnitude (+inf where the
+    gradient is not finite), reduced per segment in one segment maximum.
     """
     present = [i for i, g in enumerate(grads) if g is not None]
-    values = [tf.cast(finiteness.dense_values(grads[i]), tf.float32)
-              for i in present]
-    ids = tf.constant([segments[i] for i in present] or [top], tf.int32)
-    flags = finiteness.nonfinite_flags(values) if values else tf.constant(
-        [False])
-    largest = tf.stack([tf.reduce_max(tf.abs(v)) for v in values]
-                       or [tf.constant(0.0)])
-    count = top + 1
-    nonfinite = tf.math.unsorted_segment_max(
-        tf.cast(flags, tf.float32), ids, count) > 0.0
-    # An empty segment's maximum is the lowest float: no figure.
-    largest = tf.maximum(tf.math.unsorted_segment_max(largest, ids, count),
-                         0.0)
-    lower, top_largest = largest[:top], largest[top]
-    top_measured = tf.logical_and(
-        tf.logical_not(tf.reduce_any(nonfinite)), top_largest > 0.0)
-    informed = tf.logical_and(top_measured, lower > 0.0)
-    log2 = lambda x: tf.math.log(x) / tf.math.log(2.0)  # pylint: disable=unnecessary-lambda-assignment
-    ratios = log2(top_largest) - log2(tf.where(informed, lower, 1.0))
+    largest, order = finiteness.largest_magnitudes(
+        [finiteness.dense_values(grads[i]) for i in present],
+        xla=xla_record.in_xla_context())
+    ids = [segments[present[i]] for i in order]
+    zero, inf = tf.constant(0.0), tf.constant(float("inf"))
+    # An empty segment's maximum is the lowest float: no figure, 0.
+    per_segment = tf.maximum(tf.math.unsorted_segment_max(
+        largest, tf.constant(ids, tf.int32), top + 1), zero)
+    logs = tf.math.log(per_segment) / _LN2
+    # Finite exactly where both maxima are finite and > 0. The rule reads
+    # them on all-finite steps only.
+    ratios = tf.unstack(logs, num=top + 1)[top] - logs
+    informed = tf.math.is_finite(ratios)
     return tf.concat([
-        tf.cast(nonfinite, tf.float32), tf.cast(informed, tf.float32),
-        tf.where(informed, ratios, 0.0),
-        tf.cast(top_measured, tf.float32)[None]], axis=0)
+        tf.cast(tf.equal(per_segment, inf), tf.float32),
+        tf.cast(informed, tf.float32), tf.where(informed, ratios, zero)],
+                     axis=0)
 
 
-def decode(summed, top):
-    """The `rule.Figures` of `_figures`' vector (of the gradients summed
-    over the replicas, which every replica computes alike)."""
-    nonfinite = summed[:top + 1] > 0.0
-    count = summed[top + 1:2 * top + 1]
-    informed = count > 0.0
-    log2_ratio = tf.where(informed, summed[2 * top + 1:3 * top + 1]
-                          / tf.maximum(count, 1.0), 0.0)
-    return rule_lib.Figures(nonfinite, informed, summed[-1] > 0.0, log2_ratio)
+def decode(figures, top):
+    """The `rule.Figures` of `_figures`' vector, of the gradients summed
+    over the replicas (every replica computes it alike)."""
+    nonfinite, informed, top_measured, ratios, _ = tf.split(
+        figures, [top + 1, top, 1, top, 1])
+    zero = tf.constant(0.0)
+    nonfinite = nonfinite > zero
+    return rule_lib.Figures(
+        nonfinite, informed > zero, top_measured > zero, ratios,
+        tf.logical_not(tf.reduce_any(nonfinite)))
 
 
 class _SegmentedUpdate:
@@ -152,9 +140,10 @@ class _SegmentedUpdate:
 
     _needs_finiteness = True
 
-    def __init__(self, loss_scale, state, rule, top):
+    def __init__(self, loss_scale, state, factors, rule, top):
         self._loss_scale = loss_scale
         self._state = state
+        self._factors = factors  # As read for the step's unscale.
         self._rule = rule
         self._top = top
         # The step core halts a failed XLA step by S's record.
@@ -163,12 +152,13 @@ class _SegmentedUpdate:
     def __call__(self):
         return self._loss_scale()
 
-    def _update_from_all_finite(self, summed):
+    def _update_from_all_finite(self, figures):
         """Cross-replica context: `(update_op, should_apply)` from the
-        summed figures."""
-        figures = decode(summed, self._top)
-        state = rule_lib.FactorState(*(
-            tf.convert_to_tensor(v) for v in self._state))
+        figures of `_figures`."""
+        figures = decode(figures, self._top)
+        state = rule_lib.FactorState(
+            self._factors, tf.convert_to_tensor(self._state.margins),
+            tf.convert_to_tensor(self._state.good_steps))
         new_state, top_finite = rule_lib.next_factor_state(
             state, figures, self._rule)
         update_op, should_apply = self._loss_scale._update_from_all_finite(  # pylint: disable=protected-access
@@ -183,7 +173,7 @@ class _SegmentedUpdate:
         assignments = [
             variable.assign(value)
             for variable, value in zip(self._state, new_state)]
-        all_finite = tf.logical_not(tf.reduce_any(figures.nonfinite))
+        all_finite = figures.all_finite
         if tf.executing_eagerly():
             return None, bool(should_apply) and bool(all_finite)
         with tf.control_dependencies(assignments):
@@ -196,15 +186,18 @@ class _SegmentStats:
     """`LossScaleMonitor(gradient_stats=True)`'s statistics of a segmented
     step: each gradient measured at its own scale S * F."""
 
-    def __init__(self, selection, segments, scales):
+    def __init__(self, selection, segments, factors, top):
         self._selection = selection
         self._segments = segments
-        self._scales = scales
+        self._factors = factors
+        self._top = top
 
     def write(self, grads, loss_scale):
+        factors = tf.unstack(self._factors, num=self._top)
+
         def at_own_scale(local_grads):
-            return [g if g is None or self._scales(s) is None
-                    else g * tf.cast(self._scales(s), g.dtype)
+            return [g if g is None or s == self._top
+                    else g * tf.cast(factors[s], g.dtype)
                     for g, s in zip(local_grads, self._segments)]
 
         return self._selection.write(

@@ -16,6 +16,7 @@ from tf_lossscale.keras3 import loss_scale_optimizer
 from tf_lossscale.layerwise import boundary
 from tf_lossscale.layerwise import model as model_lib
 from tf_lossscale.layerwise import rule as rule_lib
+from tf_lossscale.layerwise import segments as segments_lib
 from tf_lossscale.loss_scales import serialization
 from tf_lossscale.step import optimizer_protocol
 
@@ -41,8 +42,12 @@ def scale_per_layer(model, segments="layers", *, increment_period=2000,
         layer with trainable weights but a normalization (batch, layer or
         group); an int n cuts those layers into n consecutive groups of
         about the same count; a list of layer names starts one at each of
-        them. The other layers join the segment before them; a nested model
-        is one layer.
+        them; a dict `{layer name or path: largest gradient}` (float32, at
+        loss scale 1: `Float16Diagnosis.gradient_maxima()`) starts one
+        where a layer's largest gradient parts from its segment's first
+        layer's by more than 2**8 (`segments.PARTING_LOG2`), so that layers
+        one scale holds share one. The other layers join the segment before
+        them; a nested model is one layer.
       increment_period: finite steps after which a segment's margin doubles
         (up to 1), a positive int.
       min_factor, max_factor: the bounds of every factor, numbers > 0 (both
@@ -60,14 +65,15 @@ def scale_per_layer(model, segments="layers", *, increment_period=2000,
         model (subclassed, tf-keras, not built), or cannot be rebuilt from
         its layers' configs.
       ValueError: `model` is scaled per layer already; `segments` names no
-        layer or a layer of no weights, or makes fewer than two segments; a
+        layer, or makes fewer than two segments (magnitudes that do not
+        part); a
         bad `increment_period`, `min_factor` or `max_factor`.
     """
     rule = rule_lib.checked_rule(increment_period, min_factor, max_factor)
     view = _functional_view(model)
     units = [layer for layer in view.layers
              if not isinstance(layer, keras.layers.InputLayer)]
-    segment_of = _segment_layers(units, segments)
+    segment_of = segments_lib.segment_layers(units, segments)
     count = max(segment_of.values()) + 1
     names = [[u.name for u in units if segment_of[u.name] == k]
              for k in range(count)]
@@ -119,53 +125,6 @@ def _functional_view(model):
             "model): scale_per_layer rebuilds functional and Sequential "
             "models built on keras.Input")
     return model
-
-
-# Layers that start no segment: a normalization's backward pass can make its
-# input's gradient much larger than its weights' and the layer before it
-# ones; on a boundary between them an overflow there would be blamed on the
-# segment below (docs/guides/per-layer-scaling.md, "Limits").
-_JOINING = (keras.layers.BatchNormalization, keras.layers.LayerNormalization,
-            keras.layers.GroupNormalization)
-
-
-def _segment_layers(units, segments):
-    """`{layer name: segment}` for the top-level layers `units`."""
-    weighted = [u.name for u in units
-                if u.trainable_weights and not isinstance(u, _JOINING)]
-    if isinstance(segments, str) and segments == "layers":
-        starts = weighted[1:]
-    elif isinstance(segments, int) and not isinstance(segments, bool):
-        count = checks.positive_int("segments", segments)
-        if count > len(weighted):
-            raise ValueError(
-                f"segments={segments} asks for more segments than the "
-                f"{len(weighted)} layers with trainable weights")
-        starts = [weighted[(i * len(weighted)) // count]
-                  for i in range(1, count)]
-    elif isinstance(segments, (list, tuple)) and all(
-            isinstance(name, str) for name in segments):
-        names = [u.name for u in units]
-        unknown = [name for name in segments if name not in names]
-        if unknown:
-            raise ValueError(
-                f"segments names no top-level layer of the model: {unknown} "
-                f"(its layers: {checks.summary(names)})")
-        starts = list(segments)
-    else:
-        raise TypeError(
-            'segments must be "layers", a positive int or a list of layer '
-            f"names, got {checks.summary(segments)}")
-    segment_of, index = {}, 0
-    for unit in units:
-        if unit.name in starts and segment_of:
-            index += 1
-        segment_of[unit.name] = index
-    if index == 0:
-        raise ValueError(
-            f"segments={checks.summary(segments)} makes one segment: nothing "
-            "to scale per layer (a LossScaleOptimizer alone does this)")
-    return segment_of
 
 
 @contextlib.contextmanager

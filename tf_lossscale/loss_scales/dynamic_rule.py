@@ -79,7 +79,8 @@ def next_dynamic_state(state, is_finite, rule):
     floor = tf.constant(rule.min_loss_scale, tf.float32)
 
     grown = scale * multiplier
-    period_reached = good_steps + 1 >= rule.increment_period
+    counted = good_steps + 1
+    period_reached = counted >= rule.increment_period
     grows = tf.logical_and(period_reached, tf.math.is_finite(grown))
     if rule.max_loss_scale is not None:
         grown = tf.minimum(grown, tf.constant(rule.max_loss_scale, tf.float32))
@@ -109,7 +110,7 @@ def next_dynamic_state(state, is_finite, rule):
     new_scale = tf.where(is_finite, scale_if_finite, scale_if_not_finite)
     new_good_steps = tf.where(
         tf.logical_and(is_finite, tf.logical_not(period_reached)),
-        good_steps + 1, tf.zeros_like(good_steps))
+        counted, tf.zeros_like(good_steps))
     skips = state.consecutive_skips
     new_skips = None if skips is None else tf.where(
         is_finite, tf.zeros_like(skips), skips + 1)

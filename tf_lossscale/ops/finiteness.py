@@ -2,8 +2,10 @@
 
 `all_finite(grads)` is a scalar bool tensor, True iff no element of any
 gradient is NaN or +-Inf; `nonfinite_flags(grads)` gives that verdict per
-gradient. Both are exact and stay on the gradients' devices. Small gradients
-(up to 65,536 values) of one dtype and static shape are checked stacked. In
+gradient, and `largest_magnitudes(values)` each gradient's largest |value|,
++inf exactly where the gradient is not finite. All are exact and stay on
+the gradients' devices. Small gradients (up to 65,536 values) of one dtype
+and static shape are checked stacked. In
 `all_finite`, every output of one split (`unscaling`'s packs) is checked
 through its input (graphs only), and larger gradients by their sum, which
 NaN or +-Inf make non-finite: only a non-finite sum (maybe an overflow)
@@ -139,3 +141,57 @@ def nonfinite_flags(grads):
     if not finite:
         return tf.zeros([0], tf.bool)
     return tf.logical_not(tf.stack(finite))
+
+
+def largest_magnitudes(values, xla=False):
+    """`(largest, order)`: `largest` a float32 vector, each tensor's largest
+    |value| (0 for an empty one), +inf where it holds NaN or +-Inf: finite
+    exactly where the tensor is (a float64 tensor beyond float32's range
+    counts as +inf). `largest[i]` is that of `values[order[i]]`: small
+    tensors of one shape are measured stacked. `xla`: whether XLA compiles
+    the ops (checked while tracing), whose maximum may drop NaN."""
+    axes = {}
+
+    def extremes(value, first):
+        """Without XLA, the largest and the smallest value (two reads, and
+        no |value| written out; TensorFlow's Max and Min kernels propagate
+        NaN: Eigen::PropagateNaN); under XLA, the largest magnitude, NaN
+        made +inf (one fused reduction)."""
+        # One constant of reduction axes for each rank, not one a reduction.
+        rank = value.shape.rank
+        if (first, rank) not in axes:
+            axes[first, rank] = tf.constant(list(range(first, rank)), tf.int32)
+        axis = axes[first, rank]
+        if xla:
+            magnitudes = tf.abs(value)
+            infinity = tf.constant(float("inf"), value.dtype)
+            found = [tf.reduce_max(tf.where(
+                tf.math.is_nan(magnitudes), infinity, magnitudes), axis=axis)]
+        else:
+            found = [tf.reduce_max(value, axis=axis),
+                     tf.reduce_min(value, axis=axis)]
+        if value.shape.num_elements() is None:  # Empty: the lowest float.
+            found = [tf.where(tf.size(value) > 0, x, tf.zeros_like(x))
+                     for x in found]
+        return [tf.cast(x, tf.float32) for x in found]
+
+    empty = [i for i, v in enumerate(values) if v.shape.num_elements() == 0]
+    rest = [i for i in range(len(values)) if i not in empty]
+    scalars = [[tf.constant(0.0)] * (1 if xla else 2)] * len(empty)
+    order, vectors, stacked_order = list(empty), [], []
+    for group, value in _stacks([values[i] for i in rest]):
+        if len(group) == 1:
+            scalars.append(extremes(value, 0))
+            order.append(rest[group[0]])
+        else:
+            vectors.append(extremes(value, 1))
+            stacked_order += [rest[i] for i in group]
+    if scalars:
+        vectors.insert(0, [tf.stack(list(x)) for x in zip(*scalars)])
+    if not vectors:
+        return tf.zeros([0]), []
+    found = vectors[0] if len(vectors) == 1 else [
+        tf.concat(list(x), axis=0) for x in zip(*vectors)]
+    top = found[0] if xla else tf.maximum(found[0], -found[1])
+    return (tf.where(tf.math.is_nan(top), float("inf"), top),
+            order + stacked_order)

@@ -7,14 +7,18 @@ advises) and scaled per layer, and prints the loss curves side by side, and
 each variable's underflow share (`diagnose`'s measure) at the scale the
 single-scale run and the per-layer run ended with.
 
-The cost: the `fit` MLP (every layer its own segment) compiled with the
-single-scale wrapper and scaled per layer: the ops of the traced train step
-(forward, backward and apply, both branches of every `tf.cond`), the
-top-level instructions of the XLA-optimized HLO of the same step (each
-fusion one: about one kernel each), and `model.fit`'s CPU time per step,
-interleaved with a run without loss scaling.
+The cost: the `fit` MLP compiled with the single-scale wrapper and scaled
+per layer with every layer its own segment (`segments="layers"`: its
+gradients sit in one range, so segments from their magnitudes would make
+one): the ops of the traced train step (forward, backward and apply, both
+branches of every `tf.cond`), the top-level instructions of the
+XLA-optimized HLO of the same step (each fusion one: about one kernel
+each), and `model.fit`'s CPU time per step, interleaved with a run without
+loss scaling.
 
-Target: the per-layer run's final loss within 10% of float32's.
+Targets: the per-layer run's final loss within 10% of float32's; its ops,
+XLA instructions and `fit` overhead (CPU time over no loss scaling) at most
+1.3 times one scale's.
 """
 
 import re
@@ -34,6 +38,7 @@ from lsbench import per_layer_demo
 NAME = "layerwise"
 TITLE = "Per-layer gradient scaling"
 TARGET_LOSS_RATIO = 1.1
+TARGET_COST_RATIO = 1.3
 
 _SINGLE = "single scale (tf_lossscale)"
 _LAYERWISE = "per-layer scaling"
@@ -74,8 +79,8 @@ def _models(shape):
         with warnings.catch_warnings():
             # That bfloat16 needs no scaling: the scaling is what is measured.
             warnings.simplefilter("ignore", UserWarning)
-            runs[_LAYERWISE] = (layerwise.scale_per_layer(runs[_SINGLE][0]),
-                                [])
+            runs[_LAYERWISE] = (layerwise.scale_per_layer(
+                runs[_SINGLE][0], segments="layers"), [])
     finally:
         keras.mixed_precision.set_global_policy(previous)
     return runs
@@ -113,6 +118,14 @@ def _cost(report, settings):
               "-" if settings.quick else f"{hlo / single_hlo:.2f}",
               f"x{ratios.cpu[_LAYERWISE] / ratios.cpu[_SINGLE]:.3f}")
     report.show(table)
+    report.target("cost: per-layer ops / one scale's", ops / single_ops,
+                  TARGET_COST_RATIO)
+    if not settings.quick:
+        report.target("cost: per-layer XLA instructions / one scale's",
+                      hlo / single_hlo, TARGET_COST_RATIO)
+    report.target("cost: per-layer fit overhead / one scale's",
+                  ratios.overhead(_LAYERWISE) / ratios.overhead(_SINGLE),
+                  TARGET_COST_RATIO)
     return {"segments": segments, "counts": counts, "cpu": ratios.cpu}
 
 
