@@ -46,12 +46,9 @@ def is_finite(tensors):
 
 def largest_magnitude(tensors):
     """The largest |value|, a float32 scalar: +inf if any value is NaN or
-    +-Inf (an exact check: under XLA a maximum skips NaN), 0 for none."""
-    tops = [tf.reduce_max(tf.abs(tf.cast(values, tf.float32)))
-            for values in _present(tensors)]
-    # reduce_max of an empty tensor is -inf.
-    largest = tf.reduce_max(tf.stack(tops + [tf.constant(0.0)]))
-    return tf.where(is_finite(tensors), largest, math.inf)
+    +-Inf (exact, under XLA too), 0 for none."""
+    return _largest([tf.reduce_max(_magnitude_bits(part))
+                     for part in _parts(_present(tensors))])
 
 
 def scaled_gradient_stats(grads, scale):
@@ -60,18 +57,77 @@ def scaled_gradient_stats(grads, scale):
     step's unscaled gradients. Returns a float32 vector `[tiny, count,
     largest]`: `tiny` of the `count` values have a scaled magnitude
     `|scale * g|` below 2**-14 (zero or subnormal in float16, true zeros
-    included); `largest` is the largest scaled magnitude (`largest_magnitude`).
+    included), counted as `|g| < 2**-14 / scale`; `largest` is the largest
+    scaled magnitude (`largest_magnitude`).
+
+    Two reductions of one integer view of the magnitudes per part
+    (`_parts`), and nothing else over the values.
     """
     present = _present(grads)
     scale = tf.cast(scale, tf.float32)
-    tiny = [tf.math.count_nonzero(tf.abs(tf.cast(values, tf.float32))
-                                  < FLOAT16_MIN_NORMAL / scale)
-            for values in present]
-    count = [tf.cast(tf.size(values), tf.float32) for values in present]
+    limit = tf.bitcast(FLOAT16_MIN_NORMAL / scale, tf.uint32)
+    tiny, tops = [], []
+    for part in _parts(present):
+        bits = _magnitude_bits(part)
+        tops.append(tf.reduce_max(bits))
+        # As floats: NaN and Inf (bits above any finite value's) are not
+        # tiny, as `|g| < limit` says of them.
+        tiny.append(_count(bits < limit))
+    sizes = [values.shape.num_elements() for values in present]
+    count = tf.constant(float(sum(n for n in sizes if n is not None)))
+    for values, size in zip(present, sizes):
+        if size is None:
+            count += tf.cast(tf.size(values), tf.float32)
     return tf.stack([
         tf.cast(tf.add_n(tiny + [tf.constant(0, tf.int64)]), tf.float32),
-        tf.add_n(count + [tf.constant(0.0)]),
-        largest_magnitude(present) * scale])
+        count, _largest(tops) * scale])
+
+
+# Small values (of a static size up to this) are measured concatenated: a
+# handful of kernels per step however many small gradients a model has, for
+# one copy of values that are cheap to copy; larger ones alone, uncopied.
+_CONCATENATED_ELEMENTS = 1 << 16
+# A float32 sum of 0s and 1s is exact while it stays below 2**24 (every
+# partial sum is then an integer no larger): larger parts count in int64.
+_FLOAT32_COUNT_LIMIT = 1 << 24
+_INF_BITS = 0x7f800000
+
+
+def _parts(present):
+    """float32 tensors holding every value of `present`: the small ones
+    flattened into one, every other one alone."""
+    values = [tf.cast(v, tf.float32) for v in present]
+    is_small = [v.shape.num_elements() is not None
+                and v.shape.num_elements() <= _CONCATENATED_ELEMENTS
+                for v in values]
+    small = [tf.reshape(v, [-1]) for v, s in zip(values, is_small) if s]
+    large = [v for v, s in zip(values, is_small) if not s]
+    if len(small) > 1:
+        small = [tf.concat(small, axis=0)]
+    return small + large
+
+
+def _magnitude_bits(values):
+    """The bits of each float32 |value|, as uint32: ordered as the
+    magnitudes, with NaN's above +inf's, so that integer reductions see NaN
+    and Inf exactly (a float maximum skips NaN under XLA). Not int32: GPUs
+    run int32 reductions on the host."""
+    return tf.bitwise.bitwise_and(tf.bitcast(values, tf.uint32),
+                                  tf.constant(0x7fffffff, tf.uint32))
+
+
+def _largest(tops):
+    """The largest magnitude, from the `_magnitude_bits` maxima `tops`."""
+    top = tf.reduce_max(tf.stack(tops + [tf.constant(0, tf.uint32)]))
+    return tf.where(top < _INF_BITS, tf.bitcast(top, tf.float32), math.inf)
+
+
+def _count(mask):
+    """The True values of `mask`, int64."""
+    size = mask.shape.num_elements()
+    if size is not None and size < _FLOAT32_COUNT_LIMIT:
+        return tf.cast(tf.reduce_sum(tf.cast(mask, tf.float32)), tf.int64)
+    return tf.reduce_sum(tf.cast(mask, tf.int64))
 
 
 def flatten(grads, variables):
