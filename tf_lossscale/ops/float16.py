@@ -10,6 +10,7 @@ import math
 
 import tensorflow as tf
 
+from tf_lossscale._internal import private_api
 from tf_lossscale.ops import finiteness
 
 # Below the smallest normal value fewer significant bits remain (subnormal);
@@ -47,7 +48,7 @@ def is_finite(tensors):
 def largest_magnitude(tensors):
     """The largest |value|, a float32 scalar: +inf if any value is NaN or
     +-Inf (exact, under XLA too), 0 for none."""
-    return _largest([tf.reduce_max(_magnitude_bits(part))
+    return _largest([_top(tf.abs(part))
                      for part in _parts(_present(tensors))])
 
 
@@ -60,19 +61,17 @@ def scaled_gradient_stats(grads, scale):
     included), counted as `|g| < 2**-14 / scale`; `largest` is the largest
     scaled magnitude (`largest_magnitude`).
 
-    Two reductions of one integer view of the magnitudes per part
-    (`_parts`), and nothing else over the values.
+    Per part (`_parts`): one |g|, and two reductions of it, a maximum and a
+    count; nothing else reads the values.
     """
     present = _present(grads)
     scale = tf.cast(scale, tf.float32)
-    limit = tf.bitcast(FLOAT16_MIN_NORMAL / scale, tf.uint32)
+    threshold = FLOAT16_MIN_NORMAL / scale
     tiny, tops = [], []
     for part in _parts(present):
-        bits = _magnitude_bits(part)
-        tops.append(tf.reduce_max(bits))
-        # As floats: NaN and Inf (bits above any finite value's) are not
-        # tiny, as `|g| < limit` says of them.
-        tiny.append(_count(bits < limit))
+        magnitudes = tf.abs(part)
+        tops.append(_top(magnitudes))
+        tiny.append(_count(magnitudes < threshold))
     sizes = [values.shape.num_elements() for values in present]
     count = tf.constant(float(sum(n for n in sizes if n is not None)))
     for values, size in zip(present, sizes):
@@ -90,7 +89,6 @@ _CONCATENATED_ELEMENTS = 1 << 16
 # A float32 sum of 0s and 1s is exact while it stays below 2**24 (every
 # partial sum is then an integer no larger): larger parts count in int64.
 _FLOAT32_COUNT_LIMIT = 1 << 24
-_INF_BITS = 0x7f800000
 
 
 def _parts(present):
@@ -107,19 +105,22 @@ def _parts(present):
     return small + large
 
 
-def _magnitude_bits(values):
-    """The bits of each float32 |value|, as uint32: ordered as the
-    magnitudes, with NaN's above +inf's, so that integer reductions see NaN
-    and Inf exactly (a float maximum skips NaN under XLA). Not int32: GPUs
-    run int32 reductions on the host."""
-    return tf.bitwise.bitwise_and(tf.bitcast(values, tf.uint32),
-                                  tf.constant(0x7fffffff, tf.uint32))
+def _top(magnitudes):
+    """The largest of float32 `magnitudes`: NaN if one is NaN."""
+    if private_api.in_xla_context():
+        # XLA's maximum may skip NaN; as integers, NaN's bits are the
+        # largest. TensorFlow's kernels propagate NaN, and on GPUs have no
+        # uint32 maximum.
+        return tf.bitcast(tf.reduce_max(tf.bitcast(magnitudes, tf.uint32)),
+                          tf.float32)
+    return tf.reduce_max(magnitudes)
 
 
 def _largest(tops):
-    """The largest magnitude, from the `_magnitude_bits` maxima `tops`."""
-    top = tf.reduce_max(tf.stack(tops + [tf.constant(0, tf.uint32)]))
-    return tf.where(top < _INF_BITS, tf.bitcast(top, tf.float32), math.inf)
+    """The largest of the `_top`s, +inf if one is NaN, 0 for none."""
+    tops = tf.stack(tops + [tf.constant(0.0)])
+    return tf.where(tf.reduce_any(tf.math.is_nan(tops)), math.inf,
+                    tf.reduce_max(tops))
 
 
 def _count(mask):
