@@ -243,14 +243,17 @@ def test_gradients_of_unknown_size_are_counted():
         [values / 4.0, values[:2] / 4.0], 4.0)
 
 
-def test_counts_beyond_a_float32_sums_exact_range_are_exact(monkeypatch):
+@pytest.mark.parametrize("mode", ["graph", "xla"])
+def test_counts_beyond_a_narrow_sums_exact_range_are_exact(mode,
+                                                             monkeypatch):
     # Past the limit each part counts in int64; with the limits lowered, a
-    # small case takes the paths of a gradient of 2**24 values.
-    monkeypatch.setattr(gradient_stats, "_FLOAT32_COUNT_LIMIT", 8)
+    # small case takes the paths of a gradient of 2**24 (2**31) values.
+    monkeypatch.setattr(gradient_stats, "_EXACT_COUNTS",
+                        {"int32": 8, "float32": 8})
     monkeypatch.setattr(gradient_stats, "_CONCATENATED_ELEMENTS", 4)
     arrays = [a.astype(np.float32) for a in _gradient_mix(1)]
 
-    figures = tf.function(gradient_stats.scaled_gradient_stats)(
+    figures = _MODES[mode](gradient_stats.scaled_gradient_stats)(
         [tf.constant(a) for a in arrays], tf.constant(2.0))
 
     assert figures.numpy().tolist() == _numpy_stats(arrays, 2.0)
