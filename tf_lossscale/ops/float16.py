@@ -48,8 +48,7 @@ def is_finite(tensors):
 def largest_magnitude(tensors):
     """The largest |value|, a float32 scalar: +inf if any value is NaN or
     +-Inf (exact, under XLA too), 0 for none."""
-    return _largest([_top(tf.abs(part))
-                     for part in _parts(_present(tensors))])
+    return _measure(_present(tensors))[1]
 
 
 def scaled_gradient_stats(grads, scale):
@@ -60,76 +59,72 @@ def scaled_gradient_stats(grads, scale):
     `|scale * g|` below 2**-14 (zero or subnormal in float16, true zeros
     included), counted as `|g| < 2**-14 / scale`; `largest` is the largest
     scaled magnitude (`largest_magnitude`).
-
-    Per part (`_parts`): one |g|, and two reductions of it, a maximum and a
-    count; nothing else reads the values.
     """
     present = _present(grads)
     scale = tf.cast(scale, tf.float32)
-    threshold = FLOAT16_MIN_NORMAL / scale
-    tiny, tops = [], []
-    for part in _parts(present):
-        magnitudes = tf.abs(part)
-        tops.append(_top(magnitudes))
-        tiny.append(_count(magnitudes < threshold))
+    tiny, largest = _measure(present, FLOAT16_MIN_NORMAL / scale)
     sizes = [values.shape.num_elements() for values in present]
     count = tf.constant(float(sum(n for n in sizes if n is not None)))
     for values, size in zip(present, sizes):
         if size is None:
             count += tf.cast(tf.size(values), tf.float32)
-    return tf.stack([
-        tf.cast(tf.add_n(tiny + [tf.constant(0, tf.int64)]), tf.float32),
-        count, _largest(tops) * scale])
+    return tf.stack([tf.cast(tiny, tf.float32), count, largest * scale])
 
 
-# Small values (of a static size up to this) are measured concatenated: a
-# handful of kernels per step however many small gradients a model has, for
-# one copy of values that are cheap to copy; larger ones alone, uncopied.
+# Without XLA, small values (of a static size up to this) are measured
+# concatenated: a handful of kernels per step however many small gradients a
+# model has, for one copy of values that are cheap to copy.
 _CONCATENATED_ELEMENTS = 1 << 16
 # The most 0s and 1s a sum in that type counts exactly (float32: every
 # partial sum is then an integer no larger than 2**24).
 _EXACT_COUNTS = {"int32": 2**31 - 1, "float32": 2**24}
 
 
-def _parts(present):
-    """float32 tensors holding every value of `present`: the small ones
-    flattened into one, every other one alone."""
+def _measure(present, threshold=None):
+    """`(tiny, largest)` of the values of `present`: how many have a
+    magnitude below `threshold` (int64; 0 without one), and the largest
+    magnitude (float32; +inf after NaN or +-Inf, 0 for none).
+
+    Per tensor, or group of small ones: one |g|, its maximum and its count,
+    the only passes over the values. TensorFlow's maximum kernels propagate
+    NaN; XLA's may skip it, so under XLA each tensor's finiteness is
+    checked too (XLA fuses each tensor's reductions: nothing to gain there
+    from concatenating).
+    """
+    xla = private_api.in_xla_context()
     values = [tf.cast(v, tf.float32) for v in present]
+    tiny, tops = [tf.constant(0, tf.int64)], [tf.constant(0.0)]
+    finite = [tf.constant(True)]
+    for part in values if xla else _concatenated(values):
+        magnitudes = tf.abs(part)
+        tops.append(tf.reduce_max(magnitudes))
+        if xla:
+            finite.append(tf.reduce_all(tf.math.is_finite(part)))
+        if threshold is not None:
+            tiny.append(_count(magnitudes < threshold, xla))
+    tops = tf.stack(tops)
+    finite = tf.logical_and(tf.reduce_all(tf.stack(finite)), tf.logical_not(
+        tf.reduce_any(tf.math.is_nan(tops))))
+    return tf.add_n(tiny), tf.where(finite, tf.reduce_max(tops), math.inf)
+
+
+def _concatenated(values):
+    """`values`, the small ones flattened into one tensor."""
     is_small = [v.shape.num_elements() is not None
                 and v.shape.num_elements() <= _CONCATENATED_ELEMENTS
                 for v in values]
     small = [tf.reshape(v, [-1]) for v, s in zip(values, is_small) if s]
     large = [v for v, s in zip(values, is_small) if not s]
-    if len(small) > 1:
-        small = [tf.concat(small, axis=0)]
-    return small + large
+    return ([tf.concat(small, axis=0)] if len(small) > 1 else small) + large
 
 
-def _top(magnitudes):
-    """The largest of float32 `magnitudes`: NaN if one is NaN."""
-    if private_api.in_xla_context():
-        # XLA's maximum may skip NaN; as integers, NaN's bits are the
-        # largest. TensorFlow's kernels propagate NaN, and on GPUs have no
-        # uint32 maximum.
-        return tf.bitcast(tf.reduce_max(tf.bitcast(magnitudes, tf.uint32)),
-                          tf.float32)
-    return tf.reduce_max(magnitudes)
-
-
-def _largest(tops):
-    """The largest of the `_top`s, +inf if one is NaN, 0 for none."""
-    tops = tf.stack(tops + [tf.constant(0.0)])
-    return tf.where(tf.reduce_any(tf.math.is_nan(tops)), math.inf,
-                    tf.reduce_max(tops))
-
-
-def _count(mask):
+def _count(mask, xla):
     """The True values of `mask`, int64, summed in the cheapest exact type:
     int32 under XLA (its float sums measured slower on CPUs); float32 in
     TensorFlow's kernels, which on GPUs sum int32 on the host, while below
-    2**24 (every partial sum is then an integer no larger); else int64."""
+    2**24 values; else int64."""
     size = mask.shape.num_elements()
-    dtype = tf.int32 if private_api.in_xla_context() else tf.float32
+    dtype = tf.int32 if xla else tf.float32
     if size is None or size > _EXACT_COUNTS[dtype.name]:
         dtype = tf.int64
     return tf.cast(tf.reduce_sum(tf.cast(mask, dtype)), tf.int64)
