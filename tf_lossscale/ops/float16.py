@@ -93,8 +93,7 @@ def _measure(present, threshold=None):
     """
     xla = private_api.in_xla_context()
     values = [tf.cast(v, tf.float32) for v in present]
-    tiny, tops = [tf.constant(0, tf.int64)], [tf.constant(0.0)]
-    finite = [tf.constant(True)]
+    tiny, tops, finite = [tf.constant(0, tf.int64)], [tf.constant(0.0)], []
     for part in values if xla else _concatenated(values):
         magnitudes = tf.abs(part)
         tops.append(tf.reduce_max(magnitudes))
@@ -103,9 +102,11 @@ def _measure(present, threshold=None):
         if threshold is not None:
             tiny.append(_count(magnitudes < threshold, xla))
     tops = tf.stack(tops)
-    finite = tf.logical_and(tf.reduce_all(tf.stack(finite)), tf.logical_not(
-        tf.reduce_any(tf.math.is_nan(tops))))
-    return tf.add_n(tiny), tf.where(finite, tf.reduce_max(tops), math.inf)
+    nonfinite = tf.reduce_any(tf.math.is_nan(tops))
+    if finite:
+        nonfinite = tf.logical_or(nonfinite, tf.logical_not(
+            tf.reduce_all(tf.stack(finite))))
+    return tf.add_n(tiny), tf.where(nonfinite, math.inf, tf.reduce_max(tops))
 
 
 def _concatenated(values):
