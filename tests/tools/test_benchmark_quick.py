@@ -40,11 +40,12 @@ def test_quick_benchmark_reports_every_section_and_a_verdict_per_target(
     # One target per gradient set in `check` and one more per large set,
     # one per set in `apply`, one in `ops` (quick runs compile one set), two
     # in `fit` (the wrapper's overhead and the monitor's), one in `xla`, one
-    # in `layerwise` (its demonstration).
+    # per set and one per compile mode in `stats`, one in `layerwise` (its
+    # demonstration).
     sets = gradient_sets.gradient_sets(quick=True)
     large = sum(gradient_sets.is_large(s) for s in sets.values())
     assert 1 <= large < len(sets)  # Both of `check`'s kinds of set.
-    expected = len(sets) + large + len(sets) + 1 + 2 + 1 + 1
+    expected = len(sets) + large + len(sets) + 1 + 2 + 1 + len(sets) + 2 + 1
     assert len(verdicts) == expected
     for description, _ in verdicts:
         assert f"target {description}:" in text
