@@ -257,3 +257,18 @@ def test_counts_beyond_a_narrow_sums_exact_range_are_exact(mode,
         [tf.constant(a) for a in arrays], tf.constant(2.0))
 
     assert figures.numpy().tolist() == _numpy_stats(arrays, 2.0)
+
+
+@pytest.mark.parametrize("mode", ["graph", "xla"])
+@pytest.mark.parametrize("where", [0, 1_500_000, 2_999_999])
+def test_a_nan_anywhere_in_a_large_gradient_makes_the_largest_infinite(
+        mode, where):
+    # Without XLA the maximum's NaN is the only finiteness test: every
+    # thread's share of a reduction this large must carry it.
+    values = np.ones(3_000_000, np.float32)
+    values[where] = np.nan
+
+    _, _, largest = _SCALED_GRADIENT_STATS[mode](
+        [tf.constant(values)], tf.constant(1.0))
+
+    assert largest == np.inf
