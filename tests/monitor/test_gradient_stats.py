@@ -153,3 +153,122 @@ def test_largest_magnitude_of_tensors(mode):
             np.abs(values).max())
     values[7] = np.nan
     assert _LARGEST_MAGNITUDE[mode](tf.constant(values)) == np.inf
+
+
+def _numpy_stats(arrays, scale):
+    """`[tiny, count, largest]` by numpy, as the docstring defines them."""
+    values = np.concatenate([np.ravel(a).astype(np.float32) for a in arrays])
+    magnitudes = np.abs(values)
+    threshold = np.float32(2.0**-14) / np.float32(scale)
+    largest = (np.float32(magnitudes.max()) * np.float32(scale)
+               if np.isfinite(values).all() else np.inf)
+    return [float(np.sum(magnitudes < threshold)), float(values.size),
+            float(largest)]
+
+
+def _gradient_mix(seed=0):
+    """Many small gradients of several shapes and dtypes (measured
+    concatenated), and larger ones (measured alone)."""
+    values = _float16_values(seed, size=300_000)
+    arrays = [values[i * 12:(i + 1) * 12].reshape(3, 4) for i in range(20)]
+    arrays += [values[300:305], values[400:400], values[500:500 + 70_000],
+               values[100_000:300_000].reshape(400, 500)]
+    dtypes = [np.float16, np.float32, np.float64]
+    return [a.astype(dtypes[i % 3]) if a.size < 100 else a
+            for i, a in enumerate(arrays)]
+
+
+@pytest.mark.parametrize("mode", _MODES)
+@pytest.mark.parametrize("scale", [2.0**-3, 3.0, 2.0**15])
+def test_many_small_and_some_large_gradients_of_several_dtypes(mode, scale):
+    arrays = _gradient_mix()
+
+    figures = _SCALED_GRADIENT_STATS[mode](
+        [tf.constant(a / np.array(scale, a.dtype)) for a in arrays],
+        tf.constant(scale))
+
+    expected = _numpy_stats(
+        [(a / np.array(scale, a.dtype)).astype(np.float32) for a in arrays],
+        scale)
+    assert figures.numpy().tolist() == expected
+    assert 0 < expected[0] < expected[1]
+
+
+@pytest.mark.parametrize("mode", _MODES)
+@pytest.mark.parametrize("where", ["small", "large"])
+@pytest.mark.parametrize("bad", [np.nan, -np.nan, np.inf, -np.inf])
+def test_a_non_finite_value_anywhere_makes_the_largest_infinite(
+        mode, where, bad):
+    arrays = [a.astype(np.float32) for a in _gradient_mix()]
+    # -np.nan keeps its sign bit: the largest of the magnitudes' bits.
+    arrays[3 if where == "small" else -1].flat[5] = bad
+
+    tiny, count, largest = _SCALED_GRADIENT_STATS[mode](
+        [tf.constant(a) for a in arrays], tf.constant(1.0))
+
+    assert largest == np.inf
+    # NaN and Inf are not tiny: the count is of the finite values.
+    finite = _numpy_stats([np.nan_to_num(a, nan=1.0, posinf=1.0,
+                                         neginf=1.0) for a in arrays], 1.0)
+    assert [tiny, count] == finite[:2]
+
+
+@pytest.mark.parametrize("scale", [3.0, 2.0**15, 2.0**-20])
+def test_values_at_the_threshold_are_not_tiny_and_just_below_are(scale):
+    threshold = np.float32(2.0**-14) / np.float32(scale)
+    below = np.nextafter(threshold, np.float32(0.0))
+    values = np.array([threshold, -threshold, below, -below, 0.0, -0.0],
+                      np.float32)
+
+    tiny, count, _ = gradient_stats.scaled_gradient_stats(
+        [tf.constant(values)], tf.constant(scale))
+
+    assert (tiny, count) == (4.0, 6.0)
+
+
+def test_gradients_of_unknown_size_are_counted():
+    values = _float16_values()[:300].reshape(100, 3)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32),
+                                  tf.TensorSpec([None], tf.int64)])
+    def stats(rows, indices):
+        grads = [tf.IndexedSlices(rows, indices, tf.constant([1000, 3],
+                                                             tf.int64)),
+                 tf.constant(values[:2] / 4.0)]
+        return gradient_stats.scaled_gradient_stats(grads, tf.constant(4.0))
+
+    figures = stats(tf.constant(values / 4.0), tf.range(100, dtype=tf.int64))
+
+    assert figures.numpy().tolist() == _numpy_stats(
+        [values / 4.0, values[:2] / 4.0], 4.0)
+
+
+@pytest.mark.parametrize("mode", ["graph", "xla"])
+def test_counts_beyond_a_narrow_sums_exact_range_are_exact(mode,
+                                                             monkeypatch):
+    # Past the limit each part counts in int64; with the limits lowered, a
+    # small case takes the paths of a gradient of 2**24 (2**31) values.
+    monkeypatch.setattr(gradient_stats, "_EXACT_COUNTS",
+                        {"int32": 8, "float32": 8})
+    monkeypatch.setattr(gradient_stats, "_CONCATENATED_ELEMENTS", 4)
+    arrays = [a.astype(np.float32) for a in _gradient_mix(1)]
+
+    figures = _MODES[mode](gradient_stats.scaled_gradient_stats)(
+        [tf.constant(a) for a in arrays], tf.constant(2.0))
+
+    assert figures.numpy().tolist() == _numpy_stats(arrays, 2.0)
+
+
+@pytest.mark.parametrize("mode", ["graph", "xla"])
+@pytest.mark.parametrize("where", [0, 1_500_000, 2_999_999])
+def test_a_nan_anywhere_in_a_large_gradient_makes_the_largest_infinite(
+        mode, where):
+    # Without XLA the maximum's NaN is the only finiteness test: every
+    # thread's share of a reduction this large must carry it.
+    values = np.ones(3_000_000, np.float32)
+    values[where] = np.nan
+
+    _, _, largest = _SCALED_GRADIENT_STATS[mode](
+        [tf.constant(values)], tf.constant(1.0))
+
+    assert largest == np.inf

@@ -43,14 +43,15 @@ def test_quick_benchmark_reports_every_section_and_a_verdict_per_target(
     # one per set in `apply`, one in `ops` (quick runs compile one set), one
     # per strategy and row in `collectives`, two in `fit` (the wrapper's
     # overhead and the monitor's), one in `xla`, one in `replicas`, one in
-    # `workers`, three in `layerwise` (its demonstration, its ops and its fit
-    # overhead; quick runs compile no XLA).
+    # `workers`, one per set and one per compile mode in `stats`, three in
+    # `layerwise` (its demonstration, its ops and its fit overhead; quick
+    # runs compile no XLA).
     sets = gradient_sets.gradient_sets(quick=True)
     large = sum(gradient_sets.is_large(s) for s in sets.values())
     assert 1 <= large < len(sets)  # Both of `check`'s kinds of set.
     expected = (len(sets) + large + len(sets) + 1
                 + len(collectives.STRATEGIES) * len(collectives.ROWS)
-                + 2 + 1 + 1 + 1 + 3)
+                + 2 + 1 + 1 + 1 + len(sets) + 2 + 3)
     assert len(verdicts) == expected
     for description, _ in verdicts:
         assert f"target {description}:" in text

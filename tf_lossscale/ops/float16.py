@@ -10,6 +10,7 @@ import math
 
 import tensorflow as tf
 
+from tf_lossscale._internal import private_api
 from tf_lossscale.ops import finiteness
 
 # Below the smallest normal value fewer significant bits remain (subnormal);
@@ -46,12 +47,8 @@ def is_finite(tensors):
 
 def largest_magnitude(tensors):
     """The largest |value|, a float32 scalar: +inf if any value is NaN or
-    +-Inf (an exact check: under XLA a maximum skips NaN), 0 for none."""
-    tops = [tf.reduce_max(tf.abs(tf.cast(values, tf.float32)))
-            for values in _present(tensors)]
-    # reduce_max of an empty tensor is -inf.
-    largest = tf.reduce_max(tf.stack(tops + [tf.constant(0.0)]))
-    return tf.where(is_finite(tensors), largest, math.inf)
+    +-Inf (exact, under XLA too), 0 for none."""
+    return _measure(_present(tensors))[1]
 
 
 def scaled_gradient_stats(grads, scale):
@@ -60,18 +57,78 @@ def scaled_gradient_stats(grads, scale):
     step's unscaled gradients. Returns a float32 vector `[tiny, count,
     largest]`: `tiny` of the `count` values have a scaled magnitude
     `|scale * g|` below 2**-14 (zero or subnormal in float16, true zeros
-    included); `largest` is the largest scaled magnitude (`largest_magnitude`).
+    included), counted as `|g| < 2**-14 / scale`; `largest` is the largest
+    scaled magnitude (`largest_magnitude`).
     """
     present = _present(grads)
     scale = tf.cast(scale, tf.float32)
-    tiny = [tf.math.count_nonzero(tf.abs(tf.cast(values, tf.float32))
-                                  < FLOAT16_MIN_NORMAL / scale)
-            for values in present]
-    count = [tf.cast(tf.size(values), tf.float32) for values in present]
-    return tf.stack([
-        tf.cast(tf.add_n(tiny + [tf.constant(0, tf.int64)]), tf.float32),
-        tf.add_n(count + [tf.constant(0.0)]),
-        largest_magnitude(present) * scale])
+    tiny, largest = _measure(present, FLOAT16_MIN_NORMAL / scale)
+    sizes = [values.shape.num_elements() for values in present]
+    count = tf.constant(float(sum(n for n in sizes if n is not None)))
+    for values, size in zip(present, sizes):
+        if size is None:
+            count += tf.cast(tf.size(values), tf.float32)
+    return tf.stack([tf.cast(tiny, tf.float32), count, largest * scale])
+
+
+# Without XLA, small values (of a static size up to this) are measured
+# concatenated: a handful of kernels per step however many small gradients a
+# model has, for one copy of values that are cheap to copy.
+_CONCATENATED_ELEMENTS = 1 << 16
+# The most 0s and 1s a sum in that type counts exactly (float32: every
+# partial sum is then an integer no larger than 2**24).
+_EXACT_COUNTS = {"int32": 2**31 - 1, "float32": 2**24}
+
+
+def _measure(present, threshold=None):
+    """`(tiny, largest)` of the values of `present`: how many have a
+    magnitude below `threshold` (int64; 0 without one), and the largest
+    magnitude (float32; +inf after NaN or +-Inf, 0 for none).
+
+    Per tensor, or group of small ones: one |g|, its maximum and its count,
+    the only passes over the values. TensorFlow's maximum kernels propagate
+    NaN; XLA's may skip it, so under XLA each tensor's finiteness is
+    checked too (XLA fuses each tensor's reductions: nothing to gain there
+    from concatenating).
+    """
+    xla = private_api.in_xla_context()
+    values = [tf.cast(v, tf.float32) for v in present]
+    tiny, tops, finite = [tf.constant(0, tf.int64)], [tf.constant(0.0)], []
+    for part in values if xla else _concatenated(values):
+        magnitudes = tf.abs(part)
+        tops.append(tf.reduce_max(magnitudes))
+        if xla:
+            finite.append(tf.reduce_all(tf.math.is_finite(part)))
+        if threshold is not None:
+            tiny.append(_count(magnitudes < threshold, xla))
+    tops = tf.stack(tops)
+    nonfinite = tf.reduce_any(tf.math.is_nan(tops))
+    if finite:
+        nonfinite = tf.logical_or(nonfinite, tf.logical_not(
+            tf.reduce_all(tf.stack(finite))))
+    return tf.add_n(tiny), tf.where(nonfinite, math.inf, tf.reduce_max(tops))
+
+
+def _concatenated(values):
+    """`values`, the small ones flattened into one tensor."""
+    is_small = [v.shape.num_elements() is not None
+                and v.shape.num_elements() <= _CONCATENATED_ELEMENTS
+                for v in values]
+    small = [tf.reshape(v, [-1]) for v, s in zip(values, is_small) if s]
+    large = [v for v, s in zip(values, is_small) if not s]
+    return ([tf.concat(small, axis=0)] if len(small) > 1 else small) + large
+
+
+def _count(mask, xla):
+    """The True values of `mask`, int64, summed in the cheapest exact type:
+    int32 under XLA (its float sums measured slower on CPUs); float32 in
+    TensorFlow's kernels, which on GPUs sum int32 on the host, while below
+    2**24 values; else int64."""
+    size = mask.shape.num_elements()
+    dtype = tf.int32 if xla else tf.float32
+    if size is None or size > _EXACT_COUNTS[dtype.name]:
+        dtype = tf.int64
+    return tf.cast(tf.reduce_sum(tf.cast(mask, dtype)), tf.int64)
 
 
 def flatten(grads, variables):

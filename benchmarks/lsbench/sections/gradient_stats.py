@@ -15,8 +15,10 @@
    fits: this is their cost per step, without the monitor's one retrace
    when training begins and ends.
 
-No target: the feature is off unless asked for. Its rows in the cost per
-feature say what turning it on costs.
+Targets (issue 49): the statistics at most `TARGET_VS_CHECK` times the
+check on every set, and at most `TARGET_FIT_COST` of an unscaled `fit`
+step in each compile mode. Its rows in the cost per feature say what
+turning it on costs.
 """
 
 import keras
@@ -26,6 +28,7 @@ import tf_lossscale
 from lsbench import ablations
 from lsbench import fit_runs
 from lsbench import gradient_sets
+from lsbench import report as report_module
 from lsbench import timing
 from lsbench.sections import fit_step
 from tf_lossscale.ops import finiteness
@@ -36,6 +39,9 @@ NAME = "stats"
 TITLE = "Gradient statistics (opt-in: LossScaleMonitor(gradient_stats=True))"
 FEATURE = "gradient statistics (opt-in: LossScaleMonitor(gradient_stats=True))"
 
+TARGET_VS_CHECK = 2.0
+TARGET_FIT_COST = 0.06  # A share of an unscaled step, CPU time.
+
 _MONITOR = "tf_lossscale + LossScaleMonitor"
 _STATS = "tf_lossscale + LossScaleMonitor + statistics"
 
@@ -43,8 +49,9 @@ _STATS = "tf_lossscale + LossScaleMonitor + statistics"
 def statistics_vs_check(report, settings):
     """Part 1; returns {set name: statistics time / check time} (CPU)."""
     table = report.table(
-        f"{TITLE} alone against the finiteness check, same gradients (CPU)", ["gradient set", "check (ms)", "statistics (ms)",
-                            "statistics / check"])
+        f"{TITLE} alone against the finiteness check, same gradients (CPU)",
+        ["gradient set", "check (ms)", "statistics (ms)",
+         f"statistics / check (≤ {TARGET_VS_CHECK:g})"])
     ratios = {}
     scale = tf.constant(gradient_sets.SCALE)
     for name, shapes in gradient_sets.gradient_sets(settings.quick).items():
@@ -58,9 +65,12 @@ def statistics_vs_check(report, settings):
             settings.step_rounds, settings.calls)
         ratio = timing.median_ratios(samples.cpu, "check")["statistics"]
         ratios[name] = ratio
+        holds = report.target(f"{name}: statistics / check (CPU)", ratio,
+                              TARGET_VS_CHECK)
         medians = {k: sorted(v)[len(v) // 2] for k, v in samples.cpu.items()}
         table.add(name, f"{medians['check'] * 1e3:.3f}",
-                  f"{medians['statistics'] * 1e3:.3f}", f"x{ratio:.2f}")
+                  f"{medians['statistics'] * 1e3:.3f}",
+                  f"x{ratio:.2f} {report_module.verdict(holds)}")
     report.show(table)
     return ratios
 
@@ -109,7 +119,9 @@ def fit_cost(report, settings, jit_compile):
                 f", wall time x{ratios.wall[_STATS] / ratios.wall[_MONITOR]:.3f}"
                 f" (with the statistics / without); the statistics cost "
                 f"{fit_runs.percent(cost)} of an unscaled step")
-    return ratios, cost
+    holds = report.target(f"{mode}: the statistics' share of an unscaled "
+                          "fit step (CPU)", cost, TARGET_FIT_COST)
+    return ratios, cost, holds
 
 
 def run(context):
@@ -122,17 +134,17 @@ def run(context):
     results = {"statistics_vs_check": statistics_vs_check(report, settings)}
     table = report.table(
         f"{TITLE} in model.fit with LossScaleMonitor, CPU time over no loss "
-        "scaling", ["compile", "monitor", "monitor + "
-                                      "statistics", "the statistics"])
+        "scaling", ["compile", "monitor", "monitor + statistics",
+                    f"the statistics (≤ +{TARGET_FIT_COST:.0%})"])
     features = report.shared_table(fit_step.FEATURES_TITLE,
                                    fit_step.FEATURES_COLUMNS)
     for key, jit_compile, mode in (("fit", False, "no XLA"),
                                    ("fit_xla", True, "XLA")):
-        ratios, cost = fit_cost(report, settings, jit_compile)
+        ratios, cost, holds = fit_cost(report, settings, jit_compile)
         results[key] = cost
         table.add(mode, fit_runs.percent(ratios.overhead(_MONITOR)),
                   fit_runs.percent(ratios.overhead(_STATS)),
-                  fit_runs.percent(cost))
+                  f"{fit_runs.percent(cost)} {report_module.verdict(holds)}")
         features.add(FEATURE, mode, "-", "-", "-", fit_runs.percent(cost))
     report.show(table)
     return results
