@@ -5,6 +5,8 @@ float16, in eager mode, in a `tf.function` and under XLA (where a maximum
 skips NaN, so a NaN must still read as an overflow).
 """
 
+import functools
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -14,7 +16,9 @@ from tf_lossscale.ops import float16 as gradient_stats
 _MODES = {
     "eager": lambda fn: fn,
     "graph": tf.function,
-    "xla": lambda fn: tf.function(fn, jit_compile=True),
+    # The caller says it traces for XLA (the step core asks xla_record).
+    "xla": lambda fn: tf.function(functools.partial(fn, xla=True),
+                                  jit_compile=True),
 }
 # The functions under test in each mode, made once: the values and scales
 # are arguments, so cases of one mode share a trace (an XLA compile each).

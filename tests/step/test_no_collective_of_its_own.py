@@ -21,6 +21,7 @@ from tests.helpers import layerwise_models
 import tf_lossscale
 from tf_lossscale import layerwise
 from tf_lossscale.compat.v1 import MixedPrecisionLossScaleOptimizer
+from tf_lossscale.monitor import gradient_stats
 
 pytestmark = pytest.mark.usefixtures("keras_isolation")
 
@@ -43,7 +44,7 @@ def _strategy():
 
 
 def _keras_step(keras_module, make_optimizers, jit_compile=False,
-                block=None):
+                block=None, prepare=None):
     """Collectives in one traced custom step (`strategy.run`, a scaled loss
     when the first optimizer scales) of a two-layer model whose first and
     second layer each get one of the optimizers (or both get the one)."""
@@ -59,6 +60,8 @@ def _keras_step(keras_module, make_optimizers, jit_compile=False,
         for optimizer, part in zip(optimizers, parts):
             if hasattr(optimizer, "build"):  # Legacy ones build on demand.
                 optimizer.build(part)
+        if prepare is not None:
+            prepare(optimizers, variables)
 
     def replica_step():
         with tf.GradientTape() as tape:
@@ -100,6 +103,18 @@ def test_keras_3_wrapper_adds_none(loss_scale, jit_compile):
     ours = _keras_step(keras, _wrapped(keras.optimizers.Adam,
                                        loss_scale=loss_scale), jit_compile)
     assert plain > 0
+    assert ours == plain
+
+
+def test_gradient_statistics_ride_the_gradients_all_reduce():
+    plain = _keras_step(keras, lambda: [keras.optimizers.Adam()])
+
+    def watch_every_variable(optimizers, variables):
+        # What LossScaleMonitor(gradient_stats=True) does in `fit`.
+        gradient_stats.attach(optimizers[0], variables, _strategy())
+
+    ours = _keras_step(keras, _wrapped(keras.optimizers.Adam),
+                       prepare=watch_every_variable)
     assert ours == plain
 
 

@@ -192,13 +192,14 @@ class _SegmentStats:
         self._factors = factors
         self._top = top
 
-    def write(self, grads, loss_scale):
+    def measure(self, grads, loss_scale):
+        """Replica context: `gradient_stats`' measure, each gradient at its
+        own scale."""
         factors = tf.unstack(self._factors, num=self._top)
+        return self._selection.measure(
+            [g if g is None or s == self._top
+             else g * tf.cast(factors[s], g.dtype)
+             for g, s in zip(grads, self._segments)], loss_scale)
 
-        def at_own_scale(local_grads):
-            return [g if g is None or s == self._top
-                    else g * tf.cast(factors[s], g.dtype)
-                    for g, s in zip(local_grads, self._segments)]
-
-        return self._selection.write(
-            replicas.call_for_each_replica(at_own_scale, grads), loss_scale)
+    def write(self, summed):
+        return self._selection.write(summed)

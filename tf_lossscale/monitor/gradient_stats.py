@@ -1,12 +1,14 @@
 """Per-step gradient statistics of `LossScaleMonitor(gradient_stats=True)`:
 attached to an optimizer, they are recorded by every step traced while they
-are (skipped steps included, over all replicas). Their variable is not state
-(not saved, not tracked)."""
+are (skipped steps included, over all replicas: each replica's figures ride
+the gradients' own all-reduce). Their variable is not state (not saved, not
+tracked)."""
 
 import math
 
 import tensorflow as tf
 
+from tf_lossscale.loss_scales import xla_record
 from tf_lossscale.ops import float16
 from tf_lossscale.ops import replicas
 
@@ -50,28 +52,34 @@ class _Selection:
         self._values = values
         self._mask = mask
 
-    def write(self, grads, loss_scale):
-        """Cross-replica context: records the stats of the step's unscaled
-        `grads` (per-replica values under a strategy) at the scale it ran
-        with (`loss_scale()`, before its update); returns the assign op."""
+    def measure(self, grads, loss_scale):
+        """In the step's replica context (or without a strategy): this
+        replica's statistics of its unscaled `grads` at the scale the step
+        runs with (`loss_scale()`, before its update), as a float32 vector
+        that rides the gradients' all-reduce: `[tiny, count]`, then one slot
+        a replica, this replica's largest scaled magnitude in its own (the
+        sum of a slot is its replica's value: the largest is a maximum)."""
         with tf.name_scope("gradient_stats"):
-            scale = loss_scale()
+            tiny, count, largest = tf.unstack(float16.scaled_gradient_stats(
+                [g for g, keep in zip(grads, self._mask) if keep],
+                loss_scale(), xla=xla_record.in_xla_context()), num=3)
+            slots, own = 1, 0
+            if replicas.in_replica_context():
+                context = tf.distribute.get_replica_context()
+                slots = context.num_replicas_in_sync
+                own = context.replica_id_in_sync_group
+            # Not a product with a one-hot: +inf * 0 would be NaN.
+            largest = tf.where(tf.range(slots) == own, largest, 0.0)
+            return tf.concat([tf.stack([tiny, count]), largest], axis=0)
 
-            def local(local_grads):
-                return float16.scaled_gradient_stats(
-                    [g for g, keep in zip(local_grads, self._mask) if keep],
-                    scale)
-
-            strategy = replicas.strategy_in_use()
-            if strategy is None:
-                return self._values.assign(local(grads))
-            # Every replica's on every worker: counts summed, largest
-            # magnitudes maxed (one all-gather of 3 floats a replica).
-            gathered = strategy.gather(replicas.call_for_each_replica(
-                lambda g: local(g)[None], grads), axis=0)
-            return self._values.assign(tf.concat(
-                [tf.reduce_sum(gathered[:, :2], axis=0),
-                 tf.reduce_max(gathered[:, 2:], axis=0)], axis=0))
+    def write(self, summed):
+        """Cross-replica context: records `measure`'s vector summed over the
+        replicas; returns the assign op."""
+        def record(summed):
+            return self._values.assign(tf.stack([
+                summed[0], summed[1], tf.reduce_max(summed[2:])]))
+        with tf.name_scope("gradient_stats"):
+            return replicas.from_summed(record, summed)
 
 
 def attach(optimizer, watched, strategy=None):

@@ -10,7 +10,6 @@ import math
 
 import tensorflow as tf
 
-from tf_lossscale._internal import private_api
 from tf_lossscale.ops import finiteness
 
 # Below the smallest normal value fewer significant bits remain (subnormal);
@@ -45,24 +44,24 @@ def is_finite(tensors):
     return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
 
 
-def largest_magnitude(tensors):
+def largest_magnitude(tensors, xla=False):
     """The largest |value|, a float32 scalar: +inf if any value is NaN or
-    +-Inf (exact, under XLA too), 0 for none."""
-    return _measure(_present(tensors))[1]
+    +-Inf (exact; `xla`: traced for XLA), 0 for none."""
+    return _measure(_present(tensors), xla=xla)[1]
 
 
-def scaled_gradient_stats(grads, scale):
+def scaled_gradient_stats(grads, scale, xla=False):
     """A step's gradients against float16's range at loss scale `scale`
     (what `LossScaleMonitor(gradient_stats=True)` logs): `grads` are the
     step's unscaled gradients. Returns a float32 vector `[tiny, count,
     largest]`: `tiny` of the `count` values have a scaled magnitude
     `|scale * g|` below 2**-14 (zero or subnormal in float16, true zeros
     included), counted as `|g| < 2**-14 / scale`; `largest` is the largest
-    scaled magnitude (`largest_magnitude`).
+    scaled magnitude (`largest_magnitude`). `xla`: traced for XLA.
     """
     present = _present(grads)
     scale = tf.cast(scale, tf.float32)
-    tiny, largest = _measure(present, FLOAT16_MIN_NORMAL / scale)
+    tiny, largest = _measure(present, FLOAT16_MIN_NORMAL / scale, xla)
     sizes = [values.shape.num_elements() for values in present]
     count = tf.constant(float(sum(n for n in sizes if n is not None)))
     for values, size in zip(present, sizes):
@@ -80,10 +79,11 @@ _CONCATENATED_ELEMENTS = 1 << 16
 _EXACT_COUNTS = {"int32": 2**31 - 1, "float32": 2**24}
 
 
-def _measure(present, threshold=None):
+def _measure(present, threshold=None, xla=False):
     """`(tiny, largest)` of the values of `present`: how many have a
     magnitude below `threshold` (int64; 0 without one), and the largest
-    magnitude (float32; +inf after NaN or +-Inf, 0 for none).
+    magnitude (float32; +inf after NaN or +-Inf, 0 for none). `xla`: traced
+    for XLA (whose maximum may skip NaN).
 
     Per tensor, or group of small ones: one |g|, its maximum and its count,
     the only passes over the values. TensorFlow's maximum kernels propagate
@@ -91,7 +91,6 @@ def _measure(present, threshold=None):
     checked too (XLA fuses each tensor's reductions: nothing to gain there
     from concatenating).
     """
-    xla = private_api.in_xla_context()
     values = [tf.cast(v, tf.float32) for v in present]
     tiny, tops, finite = [tf.constant(0, tf.int64)], [tf.constant(0.0)], []
     for part in values if xla else _concatenated(values):

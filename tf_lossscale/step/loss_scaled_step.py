@@ -196,7 +196,9 @@ def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record,
       stats: None (the default: the step holds nothing more), or the
         opted-in per-step gradient statistics of
         `tf_lossscale.monitor.gradient_stats`, written on every step, applied
-        or skipped, from the gradients and the scale they ran with.
+        or skipped, from the gradients and the scale they ran with: each
+        replica's `stats.measure` rides the gradients' all-reduce, and
+        `stats.write` records the sum.
       parts: the `StepParts` to run; None for `FULL_STEP`.
       summed: True when every replica already holds the same `grads` (a
         wrapper's inner optimizer summed them); the step then makes no
@@ -207,17 +209,25 @@ def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record,
       None eagerly; in graphs an op that runs the whole step (TF1 callers
       run it; in `tf.function` the step runs anyway).
     """
+    # Before the update, which waits for them: the statistics are of the
+    # scale the step ran with, and of each replica's own gradients.
+    measured = [] if stats is None else [stats.measure(grads, loss_scale)]
     if not summed:
-        grads = replicas.sum_gradients(grads)
+        summed_all = replicas.sum_gradients(list(grads) + measured)
+        grads, measured = (summed_all[:len(grads)],
+                           summed_all[len(grads):])
     # Only the data crosses `merge_call`: anything passed through it comes
     # back regrouped per replica, callables included.
     return replicas.call_in_cross_replica_context(
         functools.partial(_cross_replica_step, loss_scale, apply_fn,
-                          skip_record, stats, parts), grads, variables)
+                          skip_record, stats, parts), grads, variables,
+        measured)
 
 
 def _cross_replica_step(loss_scale, apply_fn, skip_record, stats, parts,
-                        grads, variables):
+                        grads, variables, measured):
+    stats = None if stats is None else functools.partial(
+        stats.write, measured[0])
     if isinstance(loss_scale, group_lib.GroupMember):
         group = loss_scale.group
         block = group.deferring_block()
@@ -226,9 +236,7 @@ def _cross_replica_step(loss_scale, apply_fn, skip_record, stats, parts,
                 loss_scale, apply_fn, skip_record, stats, parts or FULL_STEP,
                 grads, variables))
             return _done([])
-    # Before the update, which waits for them: the statistics are of the
-    # scale the step ran with.
-    stats_op = None if stats is None else stats.write(grads, loss_scale)
+    stats_op = None if stats is None else stats()
     with tf.control_dependencies([] if stats_op is None else [stats_op]):
         update_op, should_apply = update_loss_scale(loss_scale, grads, parts)
     step = _apply_or_skip_branch(loss_scale, should_apply, apply_fn,
@@ -245,7 +253,7 @@ class DeferredStep(NamedTuple):
     member: object  # The optimizer's `GroupMember`.
     apply_fn: Callable
     skip_record: object
-    stats: object
+    stats: Callable  # Records the step's gradient statistics, or None.
     parts: StepParts
     grads: list
     variables: list
@@ -255,8 +263,8 @@ class DeferredStep(NamedTuple):
         """Cross-replica context: the block's `steps` as one iteration: each
         step's finiteness flag, read off its summed gradients, the group's
         step from them, then each step applies or skips."""
-        stats_ops = [step.stats.write(step.grads, step.member)
-                     for step in steps if step.stats is not None]
+        stats_ops = [step.stats() for step in steps
+                     if step.stats is not None]
         with tf.control_dependencies([op for op in stats_ops
                                       if op is not None]):
             # Gradients a caller summed need agreeing (`summed_by_caller`).
