@@ -78,7 +78,7 @@ class Float16Diagnosis:
         return dynamic_loss_scale.DynamicLossScale(
             initial_loss_scale=max(low, high / 2), min_loss_scale=low)
 
-    def fix(self, model, per_layer=False):
+    def fix(self, model, per_layer=False, *, optimizer=None):
         """A new compiled model: `model` (the one diagnosed, compiled)
         rebuilt with its weights and the layers float16 cannot hold in
         float32, and more of them until the same batches' forward pass is
@@ -90,8 +90,9 @@ class Float16Diagnosis:
         new model is checked to compute as intended (nested ones, and those
         a layer makes itself, included). Compiled as `model` was, with a
         `LossScaleOptimizer` around a new inner optimizer from the
-        original's config and the new model's `loss_scale()`. `model` is
-        left as it was. What carries over and what does not:
+        original's config and the new model's `loss_scale()`, or with
+        `optimizer` (keyword-only: a new, unbuilt `LossScaleOptimizer`, to
+        carry a run on: `tf_lossscale.watch`). `model` is left as it was. What carries over and what does not:
         docs/guides/float16-troubleshooting.md.
 
         Warns when every layer ends in float32 (mixed precision off), and
@@ -151,14 +152,16 @@ class Float16Diagnosis:
         self._warn_about(fixed, keep)
         # Compiled as `model` was, with a new optimizer and the new loss scale.
         inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+        if optimizer is None:
+            optimizer = loss_scale_optimizer.LossScaleOptimizer(
+                type(inner).from_config(inner.get_config()),
+                loss_scale=checked.loss_scale())
         settings = {key: value
                     for key, value in model.get_compile_config().items()
                     if key not in ("optimizer", "loss")}
         with model.distribute_strategy.scope():
             fixed.compile(
-                optimizer=loss_scale_optimizer.LossScaleOptimizer(
-                    type(inner).from_config(inner.get_config()),
-                    loss_scale=checked.loss_scale()),
+                optimizer=optimizer,
                 loss=model.loss or self._arguments["loss"],
                 **models.keras_module(model).saving.deserialize_keras_object(
                     settings))

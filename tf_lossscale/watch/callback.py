@@ -1,0 +1,174 @@
+"""`FailureWatch`: the Keras callback, and the call for custom loops, that
+notices a persistent float16 failure, diagnoses the model as it is then, and
+stops, or carries the run on with the fixed model (`FailureWatch.fit`).
+
+Per batch end it reads the scale and the skipped steps, nothing more; the
+diagnosis runs once, at the failure (docs/guides/failure-watch.md).
+"""
+
+import itertools
+import os
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_lossscale._internal import checks
+from tf_lossscale.diagnosis import measure
+from tf_lossscale.monitor import xla_callback
+from tf_lossscale.watch import failure
+from tf_lossscale.watch import triggers as triggers_lib
+
+ON_FAILURE = ("raise", "stop", "fix")
+
+
+def _numpy(batch):
+    return tuple(None if part is None else tf.nest.map_structure(
+        np.asarray, part) for part in tuple(batch) + (None,) * (3 - len(batch)))
+
+
+class FailureWatch(keras.callbacks.Callback):
+    """Watches a float16 run and diagnoses it where it fails.
+
+    After each batch (or, in a custom loop, each `after_step`) it reads the
+    loss scale and the skipped steps, and calls the run failed on any of the
+    triggers below. It then diagnoses the model as it is
+    (`tf_lossscale.diagnose` on the first `steps` batches of `data`), builds
+    a `FailureReport`, puts `float16_failure_step` in the logs, saves the
+    report to `directory` and a text summary to `log_dir` if given, and acts
+    as `on_failure` says.
+
+    Args:
+      data: the batches to diagnose at the failure, as `diagnose` takes them
+        (the training data: a `tf.data.Dataset` or a list of `(x, y)`).
+      on_failure: "raise" (the default: a `Float16FailureError` whose
+        message is the report), "stop" (print it and stop training) or
+        "fix" (stop; `FailureWatch.fit` then carries the run on).
+      steps: how many batches of `data` to diagnose.
+      baseline: None, True (diagnose when training begins, to report how
+        the layers' outputs grew), or a `Float16Diagnosis` made before.
+      directory: where to save the report and the reproduction bundle.
+      log_dir: a TensorBoard log directory for the report as text.
+      max_consecutive_skips, nonfinite_loss_steps, scale_drop_binades,
+        settle_steps, at_floor: the triggers (`watch.triggers.Triggers`).
+      verbose: print the report when it does not raise.
+    """
+
+    def __init__(self, data, *, on_failure="raise", steps=4, baseline=None,
+                 directory=None, log_dir=None, max_consecutive_skips=20,
+                 nonfinite_loss_steps=3, scale_drop_binades=10,
+                 settle_steps=50, at_floor=True, verbose=True):
+        super().__init__()
+        if data is None:
+            raise ValueError("data must hold the batches to diagnose at a "
+                             "failure (the training data), got None")
+        self.data = data
+        self.on_failure = checks.one_of("on_failure", on_failure, ON_FAILURE)
+        self.steps = checks.positive_int("steps", steps)
+        if baseline is not None and baseline is not True and not hasattr(
+                baseline, "keep_in_float32"):
+            raise TypeError("baseline must be None, True or a "
+                            "Float16Diagnosis, got "
+                            f"{checks.summary(baseline)}")
+        self.baseline = baseline
+        for name, value in (("directory", directory), ("log_dir", log_dir)):
+            checks.of_type(name, value, (str, os.PathLike, type(None)),
+                           "a path or None")
+        self.directory, self.log_dir = directory, log_dir
+        self.verbose = checks.boolean("verbose", verbose)
+        self.triggers = triggers_lib.Triggers(
+            max_consecutive_skips, nonfinite_loss_steps, scale_drop_binades,
+            settle_steps, at_floor)
+        self.report = None
+        self.reports = []
+        self._watched = None
+
+    # The call for custom loops.
+
+    def start(self, model):
+        """Starts watching `model` (compiled with a
+        `tf_lossscale.LossScaleOptimizer`) from its present state; diagnoses
+        the baseline if asked."""
+        self._watched = model
+        self.triggers.start(xla_callback.check_optimizer(
+            getattr(model, "optimizer", None)))
+        if self.baseline is True:
+            self.baseline = measure.diagnose(model, self.data, self.steps,
+                                             verbose=0)
+
+    def after_step(self, model, loss=None, steps=1):
+        """In a custom loop, after each step (or `steps` steps) of `model`:
+        returns None, or the `FailureReport` of a failure (with "raise",
+        raises its `Float16FailureError`). The first call starts the watch.
+        `loss`: the step's loss (a number or scalar tensor), or None."""
+        if self._watched is not model:
+            self.start(model)
+        loss = None if loss is None else float(loss)
+        why = self.triggers.after(steps, loss)
+        return None if why is None else self._fail(why)
+
+    def _fail(self, why):
+        model = self._watched
+        batches = [_numpy(batch)
+                   for batch in itertools.islice(iter(self.data), self.steps)]
+        diagnosis = measure.diagnose(model, batches, len(batches) or 1,
+                                     verbose=0)
+        self.report = failure.FailureReport(
+            step=self.triggers.step, reason=why, scale=self.triggers.scale,
+            settled_scale=self.triggers.settled_scale,
+            skipped_steps=int(model.optimizer.skipped_steps),
+            diagnosis=diagnosis,
+            baseline=None if self.baseline is True else self.baseline,
+            batches=batches)
+        self.reports.append(self.report)
+        if self.directory is not None:
+            self.report.save(self.directory, model)
+        if self.log_dir is not None:
+            with tf.summary.create_file_writer(str(self.log_dir)).as_default():
+                tf.summary.text("float16_failure", str(self.report),
+                                step=self.triggers.step)
+        if self.on_failure == "raise":
+            raise failure.Float16FailureError(self.report)
+        if self.verbose:
+            print(f"\nFailureWatch: {self.report}")
+        return self.report
+
+    # The Keras callback.
+
+    def on_train_begin(self, logs=None):
+        if self._watched is not self.model:
+            self.start(self.model)
+        else:  # A model carried on: its new optimizer.
+            self.triggers.start(self.model.optimizer)
+
+    def on_train_batch_end(self, batch, logs=None):
+        loss = None if logs is None else logs.get("loss")
+        steps = int(getattr(self.model, "steps_per_execution", 1) or 1)
+        report = self.after_step(self.model, loss, steps)
+        if report is not None:
+            if logs is not None:
+                logs["float16_failure_step"] = report.step
+            self.model.stop_training = True
+
+    def fit(self, model, *args, max_fixes=3, **kwargs):
+        """`model.fit(*args, **kwargs)` watched; with `on_failure="fix"`, at
+        a failure it carries the run on: `report.fix(model)` (the fixed
+        model with the optimizer state and the settled loss scale), then
+        `fit` again from the failing epoch (its batches from the first),
+        at most `max_fixes` times. Returns the last `History`; its `model`
+        is the model that finished training."""
+        max_fixes = checks.positive_int("max_fixes", max_fixes)
+        callbacks = list(kwargs.pop("callbacks", None) or [])
+        for fixes in itertools.count():
+            failed_at = len(self.reports)
+            epoch = {"epoch": kwargs.get("initial_epoch", 0)}
+            tracker = keras.callbacks.LambdaCallback(
+                on_epoch_begin=lambda e, logs: epoch.update(epoch=e))
+            history = model.fit(*args, callbacks=[tracker, *callbacks, self],
+                                **kwargs)
+            if (self.on_failure != "fix" or len(self.reports) == failed_at
+                    or fixes == max_fixes):
+                return history
+            model = self.report.fix(model)
+            self._watched = model
+            kwargs["initial_epoch"] = epoch["epoch"]
