@@ -10,7 +10,7 @@ from tf_lossscale.keras3 import loss_scale_optimizer
 from tf_lossscale.loss_scales import group as group_lib
 
 
-def carry_on(report, model, scale=None):
+def carry_on(report, model, scale=None, also=()):
     """Returns `report.fix(model)` compiled with an optimizer that holds the
     state of `model`'s: the inner optimizer's variables (iterations, slots),
     the skipped steps and the loss scale's state, its config kept.
@@ -26,6 +26,7 @@ def carry_on(report, model, scale=None):
       scale: None (keep the scale as it is), or the loss scale to continue
         at, a number > 0 (a failure leaves the scale backed off to its floor:
         where it had settled is the better start).
+      also: more layers to compute in float32 (`report.fix`'s `also`).
 
     Raises:
       TypeError: `model`'s optimizer is not a Keras 3
@@ -51,7 +52,7 @@ def carry_on(report, model, scale=None):
     optimizer = loss_scale_optimizer.LossScaleOptimizer(
         type(inner).from_config(inner.get_config()),
         loss_scale=type(loss_scale).from_config(loss_scale.get_config()))
-    fixed = report.fix(model, optimizer=optimizer)
+    fixed = report.fix(model, optimizer=optimizer, also=also)
     with fixed.distribute_strategy.scope():
         optimizer.build(fixed.trainable_variables)
     sources, targets = list(old.variables), list(optimizer.variables)

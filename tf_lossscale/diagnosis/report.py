@@ -78,7 +78,7 @@ class Float16Diagnosis:
         return dynamic_loss_scale.DynamicLossScale(
             initial_loss_scale=max(low, high / 2), min_loss_scale=low)
 
-    def fix(self, model, per_layer=False, *, optimizer=None):
+    def fix(self, model, per_layer=False, *, optimizer=None, also=()):
         """A new compiled model: `model` (the one diagnosed, compiled)
         rebuilt with its weights and the layers float16 cannot hold in
         float32, and more of them until the same batches' forward pass is
@@ -92,7 +92,8 @@ class Float16Diagnosis:
         `LossScaleOptimizer` around a new inner optimizer from the
         original's config and the new model's `loss_scale()`, or with
         `optimizer` (keyword-only: a new, unbuilt `LossScaleOptimizer`, to
-        carry a run on: `tf_lossscale.watch`). `model` is left as it was. What carries over and what does not:
+        carry a run on: `tf_lossscale.watch`), and with the layers named
+        in `also` (keyword-only) in float32 too. `model` is left as it was. What carries over and what does not:
         docs/guides/float16-troubleshooting.md.
 
         Warns when every layer ends in float32 (mixed precision off), and
@@ -126,8 +127,12 @@ class Float16Diagnosis:
                 f"{self._figures['batches']} diagnosed batches hold NaN or "
                 "Inf in their inputs: no choice of float32 layers makes the "
                 "forward pass finite; fix the data")
+        unknown = [name for name in also if name not in names]
+        if isinstance(also, str) or unknown:
+            raise ValueError(f"also must name layers of model {model.name!r}"
+                             f", got {checks.summary(also)}")
         keep = set(self.keep_in_float32_per_layer if per_layer
-                   else self.keep_in_float32)
+                   else self.keep_in_float32) | set(also)
         while True:
             fixed = models.copy(model, keep)
             # With no dtype changed, the copy computes as the model did:

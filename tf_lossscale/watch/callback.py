@@ -51,13 +51,18 @@ class FailureWatch(keras.callbacks.Callback):
       log_dir: a TensorBoard log directory for the report as text.
       max_consecutive_skips, nonfinite_loss_steps, scale_drop_binades,
         settle_steps, at_floor: the triggers (`watch.triggers.Triggers`).
+      fix_horizon: a fix also keeps in float32 the float16 layers that,
+        growing as they grew since the baseline, would overflow within this
+        many times as many steps again (`FailureReport.growing_layers`); 0:
+        only the diagnosis' layers.
       verbose: print the report when it does not raise.
     """
 
     def __init__(self, data, *, on_failure="raise", steps=4, baseline=None,
                  directory=None, log_dir=None, max_consecutive_skips=20,
                  nonfinite_loss_steps=3, scale_drop_binades=10,
-                 settle_steps=50, at_floor=True, verbose=True):
+                 settle_steps=50, at_floor=True, fix_horizon=0.25,
+                 verbose=True):
         super().__init__()
         if data is None:
             raise ValueError("data must hold the batches to diagnose at a "
@@ -75,6 +80,8 @@ class FailureWatch(keras.callbacks.Callback):
             checks.of_type(name, value, (str, os.PathLike, type(None)),
                            "a path or None")
         self.directory, self.log_dir = directory, log_dir
+        self.fix_horizon = checks.finite_float32("fix_horizon", fix_horizon,
+                                                 at_least=0)
         self.verbose = checks.boolean("verbose", verbose)
         self.triggers = triggers_lib.Triggers(
             max_consecutive_skips, nonfinite_loss_steps, scale_drop_binades,
@@ -92,6 +99,7 @@ class FailureWatch(keras.callbacks.Callback):
         self._watched = model
         self.triggers.start(xla_callback.check_optimizer(
             getattr(model, "optimizer", None)))
+        self._baseline_step = self.triggers.step
         if self.baseline is True:
             self.baseline = measure.diagnose(model, self.data, self.steps,
                                              verbose=0)
@@ -119,10 +127,14 @@ class FailureWatch(keras.callbacks.Callback):
             skipped_steps=int(model.optimizer.skipped_steps),
             diagnosis=diagnosis,
             baseline=None if self.baseline is True else self.baseline,
-            batches=batches)
+            batches=batches, baseline_step=self._baseline_step,
+            fix_horizon=self.fix_horizon)
         self.reports.append(self.report)
         if self.directory is not None:
-            self.report.save(self.directory, model)
+            # A run carried on that fails again writes beside the first.
+            self.report.save(os.path.join(self.directory, *(
+                [f"failure_{len(self.reports)}"] if len(self.reports) > 1
+                else [])), model)
         if self.log_dir is not None:
             with tf.summary.create_file_writer(str(self.log_dir)).as_default():
                 tf.summary.text("float16_failure", str(self.report),
@@ -138,7 +150,7 @@ class FailureWatch(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         if self._watched is not self.model:
             self.start(self.model)
-        else:  # A model carried on: its new optimizer.
+        else:  # A model carried on: its new optimizer, the same baseline.
             self.triggers.start(self.model.optimizer)
 
     def on_train_batch_end(self, batch, logs=None):

@@ -9,6 +9,7 @@ import pathlib
 
 import numpy as np
 
+from tf_lossscale.diagnosis import advice
 from tf_lossscale.diagnosis import carry_on as carry_on_lib
 from tf_lossscale.diagnosis import text
 from tf_lossscale.ops import float16
@@ -44,8 +45,10 @@ class FailureReport:
     """
 
     def __init__(self, *, step, reason, scale, settled_scale, skipped_steps,
-                 diagnosis, baseline, batches):
+                 diagnosis, baseline, batches, baseline_step=0,
+                 fix_horizon=0.25):
         self.step, self.reason = step, reason
+        self.baseline_step, self.fix_horizon = baseline_step, fix_horizon
         self.scale, self.settled_scale = scale, settled_scale
         self.skipped_steps = skipped_steps
         self.diagnosis, self.baseline = diagnosis, baseline
@@ -76,6 +79,17 @@ class FailureReport:
             return {}
         return _growth(self.baseline, self.diagnosis)
 
+    def growing_layers(self):
+        """The float16 layers that, growing on as they grew since the
+        baseline (powers of 2 per step), would overflow within
+        `fix_horizon` times as many steps again; [] without a baseline."""
+        grown = self.growth()
+        return [row["name"] for row in self.diagnosis.as_dict()["layers"]
+                if row["name"] in grown and grown[row["name"]] > 0
+                and row["activation_headroom_log2"] is not None
+                and row["activation_headroom_log2"] - self.fix_horizon * grown[
+                    row["name"]] < advice.ACTIVATION_MARGIN_LOG2]
+
     def as_dict(self):
         """The report as plain Python values."""
         return {
@@ -83,6 +97,8 @@ class FailureReport:
             "loss_scale": self.scale, "settled_loss_scale": self.settled_scale,
             "skipped_steps": self.skipped_steps,
             "growth_log2": self.growth(),
+            "baseline_step": self.baseline_step,
+            "growing_layers": self.growing_layers(),
             "diagnosis": self.diagnosis.as_dict(),
             "baseline": (None if self.baseline is None
                          else self.baseline.as_dict()),
@@ -104,16 +120,26 @@ class FailureReport:
         lines += [f"  {row['name']:<24} {text.number(row['activation_max_float32']):>10}"
                   + (f"  {grown[row['name']]:+.1f}" if row["name"] in grown
                      else "") for row in rows]
+        growing = [name for name in self.growing_layers()
+                   if name not in self.diagnosis.keep_in_float32]
+        if growing:
+            lines.append(
+                f"Growing as they grew since step {self.baseline_step}, "
+                f"layers {', '.join(map(repr, growing))} would overflow "
+                f"within {self.fix_horizon:g} times as many steps again: "
+                "fix(model) keeps them in float32 too.")
         lines += ["", "Diagnosis at the failure:", str(self.diagnosis)]
         return "\n".join(lines)
 
     def fix(self, model, scale=None):
-        """`model` fixed by the diagnosis, its optimizer's state carried on
+        """`model` fixed by the diagnosis, with `growing_layers()` in float32
+        too, its optimizer's state carried on
         (`tf_lossscale.diagnosis.carry_on`); `scale` defaults to where the
         scale had settled."""
         if scale is None:
             scale = self.settled_scale
-        return carry_on_lib.carry_on(self.diagnosis, model, scale)
+        return carry_on_lib.carry_on(self.diagnosis, model, scale,
+                                     also=self.growing_layers())
 
     def save(self, directory, model=None):
         """Writes `report.txt`, `report.json`, `diagnosis.png` (with

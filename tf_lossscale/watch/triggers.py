@@ -53,6 +53,8 @@ class Triggers:
         self.scale = None
         self._skipped = None
         if optimizer is not None:
+            # Steps count on from the optimizer's (a run carried on too).
+            self.step = int(optimizer.iterations)
             self.scale, self._skipped = self._read()
 
     def _read(self):
