@@ -49,9 +49,10 @@ def carry_on(report, model, scale=None, also=()):
         scale = checks.finite_float32("scale", scale, above=0)
     loss_scale = old.loss_scale
     inner = old.inner_optimizer
-    optimizer = loss_scale_optimizer.LossScaleOptimizer(
-        type(inner).from_config(inner.get_config()),
-        loss_scale=type(loss_scale).from_config(loss_scale.get_config()))
+    with model.distribute_strategy.scope():
+        optimizer = loss_scale_optimizer.LossScaleOptimizer(
+            type(inner).from_config(inner.get_config()),
+            loss_scale=type(loss_scale).from_config(loss_scale.get_config()))
     fixed = report.fix(model, optimizer=optimizer, also=also)
     with fixed.distribute_strategy.scope():
         optimizer.build(fixed.trainable_variables)

@@ -157,14 +157,14 @@ class Float16Diagnosis:
         self._warn_about(fixed, keep)
         # Compiled as `model` was, with a new optimizer and the new loss scale.
         inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
-        if optimizer is None:
-            optimizer = loss_scale_optimizer.LossScaleOptimizer(
-                type(inner).from_config(inner.get_config()),
-                loss_scale=checked.loss_scale())
         settings = {key: value
                     for key, value in model.get_compile_config().items()
                     if key not in ("optimizer", "loss")}
         with model.distribute_strategy.scope():
+            if optimizer is None:
+                optimizer = loss_scale_optimizer.LossScaleOptimizer(
+                    type(inner).from_config(inner.get_config()),
+                    loss_scale=checked.loss_scale())
             fixed.compile(
                 optimizer=optimizer,
                 loss=model.loss or self._arguments["loss"],
