@@ -7,3 +7,7 @@ from tf_lossscale.watch.failure import Float16FailureError
 from tf_lossscale.watch.failure import load_bundle
 from tf_lossscale.watch.failure import save_bundle
 from tf_lossscale.watch.triggers import Triggers
+
+# FailureWatch, FailureReport and Float16FailureError are public as
+# tf_lossscale's names (documented there).
+__all__ = ["Triggers", "load_bundle", "save_bundle"]

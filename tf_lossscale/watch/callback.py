@@ -49,8 +49,14 @@ class FailureWatch(keras.callbacks.Callback):
         the layers' outputs grew), or a `Float16Diagnosis` made before.
       directory: where to save the report and the reproduction bundle.
       log_dir: a TensorBoard log directory for the report as text.
-      max_consecutive_skips, nonfinite_loss_steps, scale_drop_binades,
-        settle_steps, at_floor: the triggers (`watch.triggers.Triggers`).
+      max_consecutive_skips: fail after this many steps skipped in a row.
+      nonfinite_loss_steps: fail when the loss is not finite and this many
+        steps in a row were skipped.
+      scale_drop_binades: fail when the scale falls this many powers of 2
+        below where it had settled.
+      settle_steps: the scale has settled where it held this many steps.
+      at_floor: fail on a skip with the scale at its floor. (Each of the
+        triggers: `tf_lossscale.watch.Triggers`; None turns one off.)
       fix_horizon: a fix also keeps in float32 the float16 layers that,
         growing as they grew since the baseline, would overflow within this
         many times as many steps again (`FailureReport.growing_layers`); 0:
