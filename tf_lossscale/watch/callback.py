@@ -113,10 +113,13 @@ class FailureWatch(keras.callbacks.Callback):
     def after_step(self, model, loss=None, steps=1):
         """In a custom loop, after each step (or `steps` steps) of `model`:
         returns None, or the `FailureReport` of a failure (with "raise",
-        raises its `Float16FailureError`). The first call starts the watch.
+        raises its `Float16FailureError`). The first call for a model, unless
+        `start` was called before its first step, starts the watch.
         `loss`: the step's loss (a number or scalar tensor), or None."""
         if self._watched is not model:
+            # The state read now already holds this step: watched from here.
             self.start(model)
+            return None
         loss = None if loss is None else float(loss)
         why = self.triggers.after(steps, loss)
         return None if why is None else self._fail(why)

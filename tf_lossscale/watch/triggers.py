@@ -53,9 +53,10 @@ class Triggers:
         self.scale = None
         self._skipped = None
         if optimizer is not None:
-            # Steps count on from the optimizer's (a run carried on too).
-            self.step = int(optimizer.iterations)
             self.scale, self._skipped = self._read()
+            # Steps count on from the optimizer's (a run carried on too),
+            # whose iterations count the applied ones.
+            self.step = int(optimizer.iterations) + self._skipped
 
     def _read(self):
         return (float(self._optimizer.loss_scale()),
