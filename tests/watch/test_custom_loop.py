@@ -32,7 +32,7 @@ def _step_function(model):
 
 
 @pytest.fixture(scope="module")
-def failed():
+def failed(tmp_path_factory):
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = late.logits_classifier(keras)
     model.compile(optimizer=tf_lossscale.LossScaleOptimizer(
@@ -41,13 +41,14 @@ def failed():
     x, y = late.separable_data()
     batches = [(x[i:i + late.BATCH], y[i:i + late.BATCH])
                for i in range(0, late.EXAMPLES, late.BATCH)]
-    watch = tf_lossscale.FailureWatch(batches[:2], steps=2)
+    log_dir = tmp_path_factory.mktemp("logs")
+    watch = tf_lossscale.FailureWatch(batches[:2], steps=2, log_dir=log_dir)
     step = _step_function(model)
     with pytest.raises(tf_lossscale.Float16FailureError) as raised:
         for epoch in range(40):
             for x_batch, y_batch in batches:
                 watch.after_step(model, step(x_batch, y_batch))
-    return model, raised.value, batches, epoch
+    return model, raised.value, batches, log_dir
 
 
 def test_the_error_carries_the_report_and_names_the_layer(failed):
@@ -90,3 +91,13 @@ def test_the_loop_goes_on_with_the_fixed_model(failed):
         assert watch.after_step(fixed, losses[-1]) is None
     assert np.all(np.isfinite(losses))
     assert int(fixed.optimizer.skipped_steps) == skipped
+
+
+def test_the_report_is_written_for_tensorboard(failed):
+    _, error, _, log_dir = failed
+    texts = [(event.step, value.tensor.string_val[0].decode())
+             for path in log_dir.iterdir()
+             for event in tf.compat.v1.train.summary_iterator(str(path))
+             for value in event.summary.value
+             if value.tag == "float16_failure"]
+    assert texts == [(error.report.step, str(error.report))]

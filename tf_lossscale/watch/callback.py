@@ -48,7 +48,8 @@ class FailureWatch(keras.callbacks.Callback):
       baseline: None, True (diagnose when training begins, to report how
         the layers' outputs grew), or a `Float16Diagnosis` made before.
       directory: where to save the report and the reproduction bundle.
-      log_dir: a TensorBoard log directory for the report as text.
+      log_dir: a TensorBoard log directory for the report as text (in
+        `FailureWatch.fit`, by default that of a TensorBoard callback).
       max_consecutive_skips: fail after this many steps skipped in a row.
       nonfinite_loss_steps: fail when the loss is not finite and this many
         steps in a row were skipped.
@@ -95,6 +96,7 @@ class FailureWatch(keras.callbacks.Callback):
         self.report = None
         self.reports = []
         self._watched = None
+        self._tensorboard_dir = None  # A TensorBoard callback's, in `fit`.
 
     # The call for custom loops.
 
@@ -144,8 +146,9 @@ class FailureWatch(keras.callbacks.Callback):
             self.report.save(os.path.join(self.directory, *(
                 [f"failure_{len(self.reports)}"] if len(self.reports) > 1
                 else [])), model)
-        if self.log_dir is not None:
-            with tf.summary.create_file_writer(str(self.log_dir)).as_default():
+        log_dir = self.log_dir or self._tensorboard_dir
+        if log_dir is not None:
+            with tf.summary.create_file_writer(str(log_dir)).as_default():
                 tf.summary.text("float16_failure", str(self.report),
                                 step=self.triggers.step)
         if self.on_failure == "raise":
@@ -177,9 +180,13 @@ class FailureWatch(keras.callbacks.Callback):
         model with the optimizer state and the settled loss scale), then
         `fit` again from the failing epoch (its batches from the first),
         at most `max_fixes` times. Returns the last `History`; its `model`
-        is the model that finished training."""
+        is the model that finished training. Without `log_dir`, the report
+        goes to a `keras.callbacks.TensorBoard`'s among `callbacks`."""
         max_fixes = checks.positive_int("max_fixes", max_fixes)
         callbacks = list(kwargs.pop("callbacks", None) or [])
+        self._tensorboard_dir = next(
+            (callback.log_dir for callback in callbacks
+             if isinstance(callback, keras.callbacks.TensorBoard)), None)
         for fixes in itertools.count():
             failed_at = len(self.reports)
             epoch = {"epoch": kwargs.get("initial_epoch", 0)}
