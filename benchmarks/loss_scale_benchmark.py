@@ -37,6 +37,8 @@ Sections (`lsbench/sections/`, run in this order; `--only` picks some):
             curves and underflow shares in float32, with one loss scale and
             per layer), and its cost per step against one loss scale (ops,
             XLA instructions, fit's CPU time)
+  watch     `FailureWatch` in a healthy `model.fit`, with and without XLA,
+            and the XLA kernels per step with it and without
 
 `--quick` uses small gradient sets, a 1x16 MLP and one round: it checks that
 everything runs (tests/tools/test_benchmark_quick.py); its figures mean
@@ -81,6 +83,7 @@ from lsbench.sections import argument_checks  # pylint: disable=g-import-not-at-
 from lsbench.sections import apply_path  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import check_unscale_update  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import diagnosis  # pylint: disable=g-import-not-at-top,wrong-import-position
+from lsbench.sections import failure_watch  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import fit_step  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import gradient_stats  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import hot_path  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -93,7 +96,7 @@ tf.get_logger().setLevel("ERROR")  # TF's reference is deprecated; it says so.
 
 SECTIONS = (check_unscale_update, apply_path, step_ops, hot_path, fit_step,
             xla_fit, replicas, gradient_stats, argument_checks, per_layer,
-            diagnosis)
+            failure_watch, diagnosis)
 
 
 def _cpu_model():

@@ -40,11 +40,11 @@ def test_quick_benchmark_reports_every_section_and_a_verdict_per_target(
     # One target per gradient set in `check` and one more per large set,
     # one per set in `apply`, one in `ops` (quick runs compile one set), two
     # in `fit` (the wrapper's overhead and the monitor's), one in `xla`, one
-    # in `layerwise` (its demonstration).
+    # in `layerwise` (its demonstration), one in `watch`.
     sets = gradient_sets.gradient_sets(quick=True)
     large = sum(gradient_sets.is_large(s) for s in sets.values())
     assert 1 <= large < len(sets)  # Both of `check`'s kinds of set.
-    expected = len(sets) + large + len(sets) + 1 + 2 + 1 + 1
+    expected = len(sets) + large + len(sets) + 1 + 2 + 1 + 1 + 1
     assert len(verdicts) == expected
     for description, _ in verdicts:
         assert f"target {description}:" in text
