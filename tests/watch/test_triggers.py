@@ -3,6 +3,7 @@
 
 import math
 
+import numpy as np
 import pytest
 
 import tf_lossscale
@@ -126,3 +127,14 @@ def test_bad_watch_arguments_are_refused_by_name(kwargs, error, name):
 def test_data_is_required():
     with pytest.raises(ValueError, match="data"):
         tf_lossscale.FailureWatch(None)
+
+
+def test_a_model_without_a_tf_lossscale_optimizer_is_refused(
+        keras_isolation):
+    del keras_isolation
+    import keras  # pylint: disable=g-import-not-at-top
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    watch = tf_lossscale.FailureWatch([(np.zeros((1, 2)), np.zeros((1, 1)))])
+    with pytest.raises(TypeError, match="FailureWatch needs a model"):
+        watch.start(model)

@@ -106,7 +106,7 @@ class FailureWatch(keras.callbacks.Callback):
         the baseline if asked."""
         self._watched = model
         self.triggers.start(xla_callback.check_optimizer(
-            getattr(model, "optimizer", None)))
+            getattr(model, "optimizer", None), who="FailureWatch"))
         self._baseline_step = self.triggers.step
         if self.baseline is True:
             self.baseline = measure.diagnose(model, self.data, self.steps,
@@ -135,7 +135,7 @@ class FailureWatch(keras.callbacks.Callback):
         self.report = failure.FailureReport(
             step=self.triggers.step, reason=why, scale=self.triggers.scale,
             settled_scale=self.triggers.settled_scale,
-            skipped_steps=int(model.optimizer.skipped_steps),
+            skipped_steps=int(np.asarray(model.optimizer.skipped_steps)),
             diagnosis=diagnosis,
             baseline=None if self.baseline is True else self.baseline,
             batches=batches, baseline_step=self._baseline_step,

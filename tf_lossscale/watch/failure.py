@@ -63,12 +63,16 @@ class FailureReport:
         if first is not None:
             return (f"the float16 forward pass overflows in layer {first!r}, "
                     "the first whose outputs are not finite")
-        if figures["keep_in_float32"]:
-            return ("float16 cannot hold layers "
-                    f"{', '.join(map(repr, figures['keep_in_float32']))}")
         if figures["loss_scale_range"] is None:
             return ("the float16 backward pass overflows at every loss "
                     "scale probed")
+        if figures["underflowing_variables"]:
+            return ("float16 loses the gradients of "
+                    f"{', '.join(figures['underflowing_variables'][:5])} to "
+                    "underflow")
+        if figures["keep_in_float32"]:
+            return ("float16 cannot hold layers "
+                    f"{', '.join(map(repr, figures['keep_in_float32']))}")
         return ("no layer overflows on the diagnosed batches: the failing "
                 "batches may differ from them (pass the data where it failed)")
 

@@ -8,6 +8,8 @@ Python, so the step itself does nothing more.
 
 import math
 
+import numpy as np
+
 from tf_lossscale._internal import checks
 from tf_lossscale.loss_scales import group as group_lib
 
@@ -56,11 +58,11 @@ class Triggers:
             self.scale, self._skipped = self._read()
             # Steps count on from the optimizer's (a run carried on too),
             # whose iterations count the applied ones.
-            self.step = int(optimizer.iterations) + self._skipped
+            self.step = int(np.asarray(optimizer.iterations)) + self._skipped
 
     def _read(self):
         return (float(self._optimizer.loss_scale()),
-                int(self._optimizer.skipped_steps))
+                int(np.asarray(self._optimizer.skipped_steps)))
 
     def floor(self):
         """The scale's floor, or None (a fixed scale has none)."""

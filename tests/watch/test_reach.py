@@ -1,0 +1,64 @@
+"""`FailureWatch` where the rest works: over `fit` compiled with XLA,
+several steps per call (the two reads after each call are what the watch
+needs, and the run carried on stays compiled), and under MirroredStrategy
+(the fixed model and its optimizer's state live in the same strategy)."""
+
+import contextlib
+
+import keras
+import numpy as np
+import pytest
+
+import tf_lossscale
+from tests.helpers import late_failures as late
+from tests.helpers import training
+
+pytestmark = [pytest.mark.usefixtures("keras_isolation"),
+              pytest.mark.xdist_group("watch_reach")]
+
+
+def _compiled(strategy=None, **compile_args):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        model = late.logits_classifier(keras)
+        model.compile(optimizer=tf_lossscale.LossScaleOptimizer(
+            keras.optimizers.Lion(0.12)),
+                      loss=keras.losses.SparseCategoricalCrossentropy(
+                          from_logits=True), **compile_args)
+    return model
+
+
+def test_a_late_failure_under_xla_is_named_and_carried_on():
+    model = _compiled(jit_compile=True, steps_per_execution=4)
+    x, y = late.separable_data()
+    watch = tf_lossscale.FailureWatch([(x[:late.BATCH], y[:late.BATCH])],
+                                      on_failure="fix", steps=1,
+                                      verbose=False)
+    history = watch.fit(model, x, y, batch_size=late.BATCH, epochs=22,
+                        shuffle=False, verbose=0)
+    (report,) = watch.reports
+    assert report.diagnosis.first_nonfinite_layer == "logits"
+    # Noticed at the end of a call of 4 steps.
+    assert report.step % 4 == 0
+    fixed = history.model
+    assert fixed.jit_compile is True
+    assert fixed.get_layer("logits").compute_dtype == "float32"
+    assert np.all(np.isfinite(history.history["loss"]))
+
+
+def test_a_late_failure_under_mirrored_strategy_is_named_and_carried_on():
+    strategy = training.mirrored(2)
+    model = _compiled(strategy)
+    x, y = late.separable_data()
+    watch = tf_lossscale.FailureWatch([(x[:late.BATCH], y[:late.BATCH])],
+                                      on_failure="fix", steps=1,
+                                      verbose=False)
+    history = watch.fit(model, x, y, batch_size=late.BATCH, epochs=22,
+                        shuffle=False, verbose=0)
+    (report,) = watch.reports
+    assert report.diagnosis.first_nonfinite_layer == "logits"
+    fixed = history.model
+    assert fixed.distribute_strategy is strategy
+    assert int(np.asarray(fixed.optimizer.iterations)) > int(np.asarray(
+        model.optimizer.iterations))
+    assert np.all(np.isfinite(history.history["loss"]))
