@@ -12,6 +12,7 @@ import numpy as np
 from tf_lossscale.diagnosis import advice
 from tf_lossscale.diagnosis import carry_on as carry_on_lib
 from tf_lossscale.diagnosis import text
+from tf_lossscale.loss_scales import group as group_lib
 from tf_lossscale.ops import float16
 
 
@@ -139,9 +140,12 @@ class FailureReport:
         """`model` fixed by the diagnosis, with `growing_layers()` in float32
         too, its optimizer's state carried on
         (`tf_lossscale.diagnosis.carry_on`); `scale` defaults to where the
-        scale had settled."""
+        scale had settled, or, if it never had, where it began."""
         if scale is None:
-            scale = self.settled_scale
+            scale = self.settled_scale or getattr(
+                group_lib.underlying(getattr(model.optimizer, "loss_scale",
+                                             None)),
+                "initial_loss_scale", None)
         return carry_on_lib.carry_on(self.diagnosis, model, scale,
                                      also=self.growing_layers())
 
