@@ -88,7 +88,7 @@ def attention_logits(model, x):
     compute dtype, scaled by 1/sqrt(key_dim) only after a cast to float32
     (`ops.dot_product_attention`); here all in float32."""
     import keras  # pylint: disable=g-import-not-at-top
-    inputs = keras.Model(model.inputs, model.get_layer("embed").output)(x)
+    inputs = keras.Model(model.inputs[0], model.get_layer("embed").output)(x)
     attention = model.get_layer("attention")
     query = attention._query_dense(inputs)  # pylint: disable=protected-access
     key = attention._key_dense(inputs)  # pylint: disable=protected-access

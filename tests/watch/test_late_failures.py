@@ -8,6 +8,8 @@ The models and why they fail: `tests/helpers/late_failures.py`. Each run is
 a few hundred steps of a tiny model on one CPU.
 """
 
+import json
+
 import keras
 import numpy as np
 import pytest
@@ -64,7 +66,7 @@ def _first_layer_beyond_float16(model, x):
     outputs exceed float16's largest value on `x`; None if none does."""
     layers = [layer for layer in model.layers
               if not isinstance(layer, keras.layers.InputLayer)]
-    outputs = keras.Model(model.inputs, [l.output for l in layers])(x)
+    outputs = keras.Model(model.inputs[0], [l.output for l in layers])(x)
     return next((layer.name for layer, out in zip(layers, outputs)
                  if np.abs(np.asarray(out)).max() > float16.FLOAT16_MAX),
                 None)
@@ -161,6 +163,15 @@ def test_the_saved_report_and_bundle_show_the_failure_again(run):
     report = run["watch"].reports[0]
     text = (directory / "report.txt").read_text()
     assert f"step {report.step}" in text and report.cause in text
+
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    saved = json.loads((directory / "report.json").read_text(),
+                       parse_constant=refuse)
+    assert (saved["step"], saved["cause"]) == (report.step, report.cause)
+    assert saved["diagnosis"]["first_nonfinite_layer"] == (
+        report.diagnosis.first_nonfinite_layer)
     model, batches = tf_lossscale.watch.load_bundle(directory / "bundle")
     again = tf_lossscale.diagnose(model, batches, verbose=0)
     assert again.first_nonfinite_layer == (

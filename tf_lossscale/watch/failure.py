@@ -158,7 +158,7 @@ class FailureReport:
         path.mkdir(parents=True, exist_ok=True)
         (path / "report.txt").write_text(str(self) + "\n")
         (path / "report.json").write_text(json.dumps(
-            self.as_dict(), indent=1, default=_plain))
+            _strict(self.as_dict()), indent=1, allow_nan=False))
         try:
             self.diagnosis.plot(path / "diagnosis.png")
         except ImportError:
@@ -168,9 +168,18 @@ class FailureReport:
         return path
 
 
-def _plain(value):
-    """JSON for what json cannot write: inf and numpy scalars."""
-    return value.item() if isinstance(value, np.generic) else str(value)
+def _strict(value):
+    """`value` as strict JSON holds it: non-finite floats as strings
+    ("inf", "nan"), numpy scalars as Python ones."""
+    if isinstance(value, dict):
+        return {key: _strict(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(item) for item in value]
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
 
 
 def save_bundle(directory, model, batches):
