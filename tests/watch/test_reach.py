@@ -62,3 +62,19 @@ def test_a_late_failure_under_mirrored_strategy_is_named_and_carried_on():
     assert int(np.asarray(fixed.optimizer.iterations)) > int(np.asarray(
         model.optimizer.iterations))
     assert np.all(np.isfinite(history.history["loss"]))
+
+
+def test_a_late_failure_with_tf_keras_is_named_and_carried_on(
+        tf_keras_interpreter):
+    found = tf_keras_interpreter.call(
+        "tests.scripts.tf_keras_failure_watch:run")
+    assert found["keras"].startswith("tf_keras")
+    assert any(base.startswith("tf_keras") for base in
+               found["callback_bases"])
+    assert found["reports"] == 1
+    assert found["first_nonfinite_layer"] == "logits"
+    assert found["carried_dtype"] == "float32"
+    assert found["losses_finite"]
+    assert found["iterations"][0] == found["iterations"][1] > 0
+    assert found["state_count"][0] == found["state_count"][1] > 1
+    assert found["state_equal"]

@@ -27,43 +27,8 @@ def _numpy(batch):
         np.asarray, part) for part in tuple(batch) + (None,) * (3 - len(batch)))
 
 
-class FailureWatch(keras.callbacks.Callback):
-    """Watches a float16 run and diagnoses it where it fails.
-
-    After each batch (or, in a custom loop, each `after_step`) it reads the
-    loss scale and the skipped steps, and calls the run failed on any of the
-    triggers below. It then diagnoses the model as it is
-    (`tf_lossscale.diagnose` on the first `steps` batches of `data`), builds
-    a `FailureReport`, puts `float16_failure_step` in the logs, saves the
-    report to `directory` and a text summary to `log_dir` if given, and acts
-    as `on_failure` says.
-
-    Args:
-      data: the batches to diagnose at the failure, as `diagnose` takes them
-        (the training data: a `tf.data.Dataset` or a list of `(x, y)`).
-      on_failure: "raise" (the default: a `Float16FailureError` whose
-        message is the report), "stop" (print it and stop training) or
-        "fix" (stop; `FailureWatch.fit` then carries the run on).
-      steps: how many batches of `data` to diagnose.
-      baseline: None, True (diagnose when training begins, to report how
-        the layers' outputs grew), or a `Float16Diagnosis` made before.
-      directory: where to save the report and the reproduction bundle.
-      log_dir: a TensorBoard log directory for the report as text (in
-        `FailureWatch.fit`, by default that of a TensorBoard callback).
-      max_consecutive_skips: fail after this many steps skipped in a row.
-      nonfinite_loss_steps: fail when the loss is not finite and this many
-        steps in a row were skipped.
-      scale_drop_binades: fail when the scale falls this many powers of 2
-        below where it had settled.
-      settle_steps: the scale has settled where it held this many steps.
-      at_floor: fail on a skip with the scale at its floor. (Each of the
-        triggers: `tf_lossscale.watch.Triggers`; None turns one off.)
-      fix_horizon: a fix also keeps in float32 the float16 layers that,
-        growing as they grew since the baseline, would overflow within this
-        many times as many steps again (`FailureReport.growing_layers`); 0:
-        only the diagnosis' layers.
-      verbose: print the report when it does not raise.
-    """
+class _Watch:
+    """`FailureWatch` on either Keras' Callback (the next class in the MRO)."""
 
     def __init__(self, data, *, on_failure="raise", steps=4, baseline=None,
                  directory=None, log_dir=None, max_consecutive_skips=20,
@@ -97,6 +62,7 @@ class FailureWatch(keras.callbacks.Callback):
         self.reports = []
         self._watched = None
         self._tensorboard_dir = None  # A TensorBoard callback's, in `fit`.
+        self._epoch = 0  # The epoch going on, to carry a run on from.
 
     # The call for custom loops.
 
@@ -165,6 +131,9 @@ class FailureWatch(keras.callbacks.Callback):
         else:  # A model carried on: its new optimizer, the same baseline.
             self.triggers.start(self.model.optimizer)
 
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
     def on_train_batch_end(self, batch, logs=None):
         loss = None if logs is None else logs.get("loss")
         steps = int(getattr(self.model, "steps_per_execution", 1) or 1)
@@ -184,19 +153,61 @@ class FailureWatch(keras.callbacks.Callback):
         goes to a `keras.callbacks.TensorBoard`'s among `callbacks`."""
         max_fixes = checks.positive_int("max_fixes", max_fixes)
         callbacks = list(kwargs.pop("callbacks", None) or [])
+        # Keras 3's or tf-keras' TensorBoard callback.
         self._tensorboard_dir = next(
             (callback.log_dir for callback in callbacks
-             if isinstance(callback, keras.callbacks.TensorBoard)), None)
+             if type(callback).__name__ == "TensorBoard"), None)
         for fixes in itertools.count():
             failed_at = len(self.reports)
-            epoch = {"epoch": kwargs.get("initial_epoch", 0)}
-            tracker = keras.callbacks.LambdaCallback(
-                on_epoch_begin=lambda e, logs: epoch.update(epoch=e))
-            history = model.fit(*args, callbacks=[tracker, *callbacks, self],
+            self._epoch = kwargs.get("initial_epoch", 0)
+            history = model.fit(*args, callbacks=[*callbacks, self],
                                 **kwargs)
             if (self.on_failure != "fix" or len(self.reports) == failed_at
                     or fixes == max_fixes):
                 return history
             model = self.report.fix(model)
             self._watched = model
-            kwargs["initial_epoch"] = epoch["epoch"]
+            kwargs["initial_epoch"] = self._epoch
+
+
+class FailureWatch(_Watch, xla_callback.EitherKeras,
+                   keras.callbacks.Callback):
+    """Watches a float16 run and diagnoses it where it fails.
+
+    After each batch (or, in a custom loop, each `after_step`) it reads the
+    loss scale and the skipped steps, and calls the run failed on any of the
+    triggers below. It then diagnoses the model as it is
+    (`tf_lossscale.diagnose` on the first `steps` batches of `data`), builds
+    a `FailureReport`, puts `float16_failure_step` in the logs, saves the
+    report to `directory` and a text summary to `log_dir` if given, and acts
+    as `on_failure` says.
+
+    Args:
+      data: the batches to diagnose at the failure, as `diagnose` takes them
+        (the training data: a `tf.data.Dataset` or a list of `(x, y)`).
+      on_failure: "raise" (the default: a `Float16FailureError` whose
+        message is the report), "stop" (print it and stop training) or
+        "fix" (stop; `FailureWatch.fit` then carries the run on).
+      steps: how many batches of `data` to diagnose.
+      baseline: None, True (diagnose when training begins, to report how
+        the layers' outputs grew), or a `Float16Diagnosis` made before.
+      directory: where to save the report and the reproduction bundle.
+      log_dir: a TensorBoard log directory for the report as text (in
+        `FailureWatch.fit`, by default that of a TensorBoard callback).
+      max_consecutive_skips: fail after this many steps skipped in a row.
+      nonfinite_loss_steps: fail when the loss is not finite and this many
+        steps in a row were skipped.
+      scale_drop_binades: fail when the scale falls this many powers of 2
+        below where it had settled.
+      settle_steps: the scale has settled where it held this many steps.
+      at_floor: fail on a skip with the scale at its floor. (Each of the
+        triggers: `tf_lossscale.watch.Triggers`; None turns one off.)
+      fix_horizon: a fix also keeps in float32 the float16 layers that,
+        growing as they grew since the baseline, would overflow within this
+        many times as many steps again (`FailureReport.growing_layers`); 0:
+        only the diagnosis' layers.
+      verbose: print the report when it does not raise.
+
+    With `TF_USE_LEGACY_KERAS=1` the object made is a tf-keras callback
+    (`for_tf_keras`).
+    """
