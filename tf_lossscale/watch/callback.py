@@ -63,6 +63,7 @@ class _Watch:
         self._watched = None
         self._tensorboard_dir = None  # A TensorBoard callback's, in `fit`.
         self._epoch = 0  # The epoch going on, to carry a run on from.
+        self._workers, self._writes = False, True
 
     # The call for custom loops.
 
@@ -73,6 +74,13 @@ class _Watch:
         self._watched = model
         self.triggers.start(xla_callback.check_optimizer(
             getattr(model, "optimizer", None), who="FailureWatch"))
+        # Every worker must decide alike, as the diagnosis runs collectives:
+        # from the agreed loss-scale state only, not its own loss. One, the
+        # chief, writes the files.
+        strategy = model.distribute_strategy
+        self._workers = isinstance(
+            strategy, tf.distribute.MultiWorkerMirroredStrategy)
+        self._writes = getattr(strategy.extended, "should_checkpoint", True)
         self._baseline_step = self.triggers.step
         if self.baseline is True:
             self.baseline = measure.diagnose(model, self.data, self.steps,
@@ -88,7 +96,7 @@ class _Watch:
             # The state read now already holds this step: watched from here.
             self.start(model)
             return None
-        loss = None if loss is None else float(loss)
+        loss = None if loss is None or self._workers else float(loss)
         why = self.triggers.after(steps, loss)
         return None if why is None else self._fail(why)
 
@@ -107,13 +115,13 @@ class _Watch:
             batches=batches, baseline_step=self._baseline_step,
             fix_horizon=self.fix_horizon)
         self.reports.append(self.report)
-        if self.directory is not None:
+        if self.directory is not None and self._writes:
             # A run carried on that fails again writes beside the first.
             self.report.save(os.path.join(self.directory, *(
                 [f"failure_{len(self.reports)}"] if len(self.reports) > 1
                 else [])), model)
         log_dir = self.log_dir or self._tensorboard_dir
-        if log_dir is not None:
+        if log_dir is not None and self._writes:
             with tf.summary.create_file_writer(str(log_dir)).as_default():
                 tf.summary.text("float16_failure", str(self.report),
                                 step=self.triggers.step)
