@@ -78,3 +78,24 @@ def test_a_late_failure_with_tf_keras_is_named_and_carried_on(
     assert found["iterations"][0] == found["iterations"][1] > 0
     assert found["state_count"][0] == found["state_count"][1] > 1
     assert found["state_equal"]
+
+
+def test_a_healthy_run_with_a_burst_of_skips_at_the_start_is_left_alone():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = late.logits_classifier(keras)
+    # Far too high a scale: the first steps overflow in a row while it
+    # backs off, as a run's start often does.
+    model.compile(optimizer=tf_lossscale.LossScaleOptimizer(
+        keras.optimizers.SGD(0.01),
+        loss_scale=tf_lossscale.DynamicLossScale(2.0**40)),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True))
+    x, y = late.separable_data()
+    watch = tf_lossscale.FailureWatch([(x[:late.BATCH], y[:late.BATCH])],
+                                      verbose=False)
+    history = model.fit(x, y, batch_size=late.BATCH, epochs=8, shuffle=False,
+                        verbose=0, callbacks=[watch])
+    assert int(model.optimizer.skipped_steps) >= 10
+    assert watch.reports == []
+    assert "float16_failure_step" not in history.history
+    assert history.history["loss"][-1] < history.history["loss"][0]

@@ -48,15 +48,24 @@ def test_a_healthy_run_with_rare_skips_never_fails():
     assert _run(triggers_lib.Triggers(), optimizer, steps) is None
 
 
-def test_skips_in_a_row_fail_at_the_limit():
+def test_skips_in_a_row_fail_at_the_limit_once_the_scale_settled():
     optimizer = _Optimizer(_Scale(2.0**15, floor=1e-30))
     steps = [(0, None, 0.5)] * 5 + [
         (1, 2.0**(14 - i), 0.5) for i in range(30)]
     step, why = _run(triggers_lib.Triggers(max_consecutive_skips=7,
-                                           scale_drop_binades=None),
+                                           scale_drop_binades=None,
+                                           settle_steps=5),
                      optimizer, steps)
     assert step == 5 + 7
     assert "7 steps in a row" in why
+
+
+def test_a_burst_of_skips_before_the_scale_settled_is_no_failure():
+    optimizer = _Optimizer(_Scale(2.0**40, floor=1.0))
+    steps = [(1, 2.0**(39 - i), 0.5) for i in range(25)] + [
+        (0, None, 0.5)] * 100
+    assert _run(triggers_lib.Triggers(max_consecutive_skips=7),
+                optimizer, steps) is None
 
 
 def test_a_skip_at_the_floor_fails_but_reaching_it_does_not():

@@ -202,7 +202,8 @@ class FailureWatch(_Watch, xla_callback.EitherKeras,
       directory: where to save the report and the reproduction bundle.
       log_dir: a TensorBoard log directory for the report as text (in
         `FailureWatch.fit`, by default that of a TensorBoard callback).
-      max_consecutive_skips: fail after this many steps skipped in a row.
+      max_consecutive_skips: fail after this many steps skipped in a row,
+        once the scale has settled.
       nonfinite_loss_steps: fail when the loss is not finite and this many
         steps in a row were skipped.
       scale_drop_binades: fail when the scale falls this many powers of 2

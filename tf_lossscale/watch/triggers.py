@@ -19,7 +19,9 @@ class Triggers:
 
     Args:
       max_consecutive_skips: a failure after this many steps in a row were
-        skipped for non-finite gradients; None: never on this count.
+        skipped for non-finite gradients, once the scale has settled (the
+        first skips of a run bring down too high a start); None: never on
+        this count.
       nonfinite_loss_steps: a failure when the loss is not finite and the
         last this many steps were skipped (a NaN loss the loss scale cannot
         cure); None: never.
@@ -101,8 +103,11 @@ class Triggers:
             return (f"the loss is not finite ({loss}) and the last {skips} "
                     "steps were skipped: the forward pass no longer computes "
                     "in float16, whatever the loss scale")
+        # Before the scale first settles, a burst of skips is the scale
+        # coming down from too high a start, not a failure.
         if self.max_consecutive_skips is not None and (
-                skips >= self.max_consecutive_skips):
+                self.settled_scale is not None
+                and skips >= self.max_consecutive_skips):
             return (f"{skips} steps in a row were skipped for non-finite "
                     f"gradients (the limit is {self.max_consecutive_skips}); "
                     f"loss scale {scale:g}")
