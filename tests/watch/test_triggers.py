@@ -147,3 +147,24 @@ def test_a_model_without_a_tf_lossscale_optimizer_is_refused(
     watch = tf_lossscale.FailureWatch([(np.zeros((1, 2)), np.zeros((1, 1)))])
     with pytest.raises(TypeError, match="FailureWatch needs a model"):
         watch.start(model)
+
+
+def test_a_model_the_diagnosis_cannot_run_is_refused_at_the_start(
+        keras_isolation):
+    del keras_isolation
+    import keras  # pylint: disable=g-import-not-at-top
+
+    class Subclassed(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.dense(x)
+
+    model = Subclassed()
+    model.compile(optimizer=tf_lossscale.LossScaleOptimizer(
+        keras.optimizers.SGD()), loss="mse")
+    watch = tf_lossscale.FailureWatch([(np.zeros((1, 2)), np.zeros((1, 1)))])
+    with pytest.raises(TypeError, match="FailureWatch supports functional"):
+        watch.start(model)

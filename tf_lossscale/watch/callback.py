@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from tf_lossscale._internal import checks
 from tf_lossscale.diagnosis import measure
+from tf_lossscale.diagnosis import models
 from tf_lossscale.monitor import xla_callback
 from tf_lossscale.watch import failure
 from tf_lossscale.watch import triggers as triggers_lib
@@ -71,6 +72,8 @@ class _Watch:
         """Starts watching `model` (compiled with a
         `tf_lossscale.LossScaleOptimizer`) from its present state; diagnoses
         the baseline if asked."""
+        # Refused now, not at the failure: a model the diagnosis cannot run.
+        models.check_model(model, "FailureWatch")
         self._watched = model
         self.triggers.start(xla_callback.check_optimizer(
             getattr(model, "optimizer", None), who="FailureWatch"))

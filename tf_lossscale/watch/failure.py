@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import pathlib
+import warnings
 
 import numpy as np
 
@@ -164,7 +165,14 @@ class FailureReport:
         except ImportError:
             pass  # The text says it all; the plot is the "plot" extra's.
         if model is not None:
-            save_bundle(path / "bundle", model, self.batches)
+            try:
+                save_bundle(path / "bundle", model, self.batches)
+            except (TypeError, ValueError, OSError) as err:
+                # The report matters more than its bundle (a custom layer
+                # Keras cannot save, batches of nested inputs).
+                warnings.warn(f"FailureReport.save: the reproduction bundle "
+                              f"could not be saved to {path / 'bundle'}: "
+                              f"{err}", stacklevel=2)
         return path
 
 
