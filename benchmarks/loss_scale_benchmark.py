@@ -44,6 +44,8 @@ Sections (`lsbench/sections/`, run in this order; `--only` picks some):
             curves and underflow shares in float32, with one loss scale and
             per layer), and its cost per step against one loss scale (ops,
             XLA instructions, fit's CPU time)
+  watch     `FailureWatch` in a healthy `model.fit`, with and without XLA,
+            and the XLA kernels per step with it and without
 
 `--quick` uses small gradient sets, a 1x16 MLP and one round: it checks that
 everything runs (tests/tools/test_benchmark_quick.py); its figures mean
@@ -89,6 +91,7 @@ from lsbench.sections import apply_path  # pylint: disable=g-import-not-at-top,w
 from lsbench.sections import check_unscale_update  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import collectives  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import diagnosis  # pylint: disable=g-import-not-at-top,wrong-import-position
+from lsbench.sections import failure_watch  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import fit_step  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import gradient_stats  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lsbench.sections import hot_path  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -103,7 +106,7 @@ tf.get_logger().setLevel("ERROR")  # TF's reference is deprecated; it says so.
 # `collectives` right after `ops`: its counts beside the XLA kernel counts.
 SECTIONS = (check_unscale_update, apply_path, step_ops, collectives, hot_path,
             fit_step, xla_fit, replicas, two_workers, gradient_stats,
-            argument_checks, per_layer, diagnosis)
+            argument_checks, per_layer, failure_watch, diagnosis)
 
 
 def _cpu_model():

@@ -20,7 +20,10 @@ Public API:
   learn, measured layer by layer on a few batches, with the loss scales and
   the float32 layers that fix it;
 * `layerwise.scale_per_layer`: per-layer gradient scaling, for models no
-  single loss scale fits.
+  single loss scale fits;
+* `FailureWatch`, `FailureReport`, `Float16FailureError`: a run watched for
+  a persistent float16 failure, diagnosed where it fails, stopped or
+  carried on fixed (`tf_lossscale.watch`).
 """
 
 # TensorFlow is not a pip requirement of this package (setup.py says why):
@@ -64,6 +67,9 @@ from tf_lossscale.loss_scales import get
 from tf_lossscale.loss_scales import serialize
 from tf_lossscale.loss_scales import with_xla_checks
 from tf_lossscale.monitor import LossScaleMonitor, XlaChecks
+from tf_lossscale import watch
+from tf_lossscale.watch import FailureReport, FailureWatch
+from tf_lossscale.watch import Float16FailureError
 
 if _tf_keras_now:
     from tf_lossscale.tf_keras import loss_scale_optimizer as _tf_keras_wrappers  # pylint: disable=unused-import
@@ -72,10 +78,11 @@ if _tf_keras_now:
 __version__ = "0.5.0"
 
 __all__ = [
-    "DoubleScalingError", "DynamicLossScale", "FixedLossScale",
-    "Float16Diagnosis", "LossScale", "LossScaleGroup", "LossScaleMonitor",
+    "DoubleScalingError", "DynamicLossScale", "FailureReport",
+    "FailureWatch", "FixedLossScale", "Float16Diagnosis",
+    "Float16FailureError", "LossScale", "LossScaleGroup", "LossScaleMonitor",
     "LossScaleOptimizer", "ReplicaContextError", "SharedLossScaleWarning",
     "UntestedReleaseWarning",
     "XlaChecks", "compat", "deserialize", "diagnose", "get", "layerwise",
-    "serialize", "with_xla_checks"
+    "serialize", "watch", "with_xla_checks"
 ]

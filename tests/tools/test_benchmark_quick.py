@@ -45,13 +45,13 @@ def test_quick_benchmark_reports_every_section_and_a_verdict_per_target(
     # overhead and the monitor's), one in `xla`, one in `replicas`, one in
     # `workers`, one per set and one per compile mode in `stats`, three in
     # `layerwise` (its demonstration, its ops and its fit overhead; quick
-    # runs compile no XLA).
+    # runs compile no XLA), one in `watch`.
     sets = gradient_sets.gradient_sets(quick=True)
     large = sum(gradient_sets.is_large(s) for s in sets.values())
     assert 1 <= large < len(sets)  # Both of `check`'s kinds of set.
     expected = (len(sets) + large + len(sets) + 1
                 + len(collectives.STRATEGIES) * len(collectives.ROWS)
-                + 2 + 1 + 1 + 1 + len(sets) + 2 + 3)
+                + 2 + 1 + 1 + 1 + len(sets) + 2 + 3 + 1)
     assert len(verdicts) == expected
     for description, _ in verdicts:
         assert f"target {description}:" in text

@@ -42,7 +42,8 @@ def write(report, path):
              "overflows)", ylabel="underflow cost (%)",
              title="float16 variables")
     axes.grid(True, alpha=0.3)
-    if len(shares) <= 10:
+    # No legend without a labelled line (every float16 layer overflowed).
+    if len(shares) <= 10 and axes.get_legend_handles_labels()[0]:
         axes.legend(fontsize="small")
     pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png")

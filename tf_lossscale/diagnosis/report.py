@@ -78,7 +78,7 @@ class Float16Diagnosis:
         return dynamic_loss_scale.DynamicLossScale(
             initial_loss_scale=max(low, high / 2), min_loss_scale=low)
 
-    def fix(self, model, per_layer=False):
+    def fix(self, model, per_layer=False, *, optimizer=None, also=()):
         """A new compiled model: `model` (the one diagnosed, compiled)
         rebuilt with its weights and the layers float16 cannot hold in
         float32, and more of them until the same batches' forward pass is
@@ -91,8 +91,10 @@ class Float16Diagnosis:
         new model is checked to compute as intended (nested ones, and those
         a layer makes itself, included). Compiled as `model` was, with a
         `LossScaleOptimizer` around a new inner optimizer from the
-        original's config and the new model's `loss_scale()`. `model` is
-        left as it was. What carries over and what does not:
+        original's config and the new model's `loss_scale()`, or with
+        `optimizer` (keyword-only: a new, unbuilt `LossScaleOptimizer`, to
+        carry a run on: `tf_lossscale.watch`), and with the layers named
+        in `also` (keyword-only) in float32 too. `model` is left as it was. What carries over and what does not:
         docs/guides/float16-troubleshooting.md.
 
         Warns when every layer ends in float32 (mixed precision off), and
@@ -128,8 +130,12 @@ class Float16Diagnosis:
                 f"{self._figures['batches']} diagnosed batches hold NaN or "
                 "Inf in their inputs: no choice of float32 layers makes the "
                 "forward pass finite; fix the data")
+        unknown = [name for name in also if name not in names]
+        if isinstance(also, str) or unknown:
+            raise ValueError(f"also must name layers of model {model.name!r}"
+                             f", got {checks.summary(also)}")
         keep = set(self.keep_in_float32_per_layer if per_layer
-                   else self.keep_in_float32)
+                   else self.keep_in_float32) | set(also)
         while True:
             fixed = models.copy(model, keep)
             # With no dtype changed, the copy computes as the model did:
@@ -158,10 +164,12 @@ class Float16Diagnosis:
                     for key, value in model.get_compile_config().items()
                     if key not in ("optimizer", "loss")}
         with model.distribute_strategy.scope():
-            fixed.compile(
-                optimizer=loss_scale_optimizer.LossScaleOptimizer(
+            if optimizer is None:
+                optimizer = loss_scale_optimizer.LossScaleOptimizer(
                     type(inner).from_config(inner.get_config()),
-                    loss_scale=checked.loss_scale()),
+                    loss_scale=checked.loss_scale())
+            fixed.compile(
+                optimizer=optimizer,
                 loss=model.loss or self._arguments["loss"],
                 **models.keras_module(model).saving.deserialize_keras_object(
                     settings))

@@ -14,10 +14,11 @@ from tf_lossscale.loss_scales import xla_record
 from tf_lossscale.step import optimizer_protocol
 
 
-def check_optimizer(optimizer, where="model.optimizer"):
+def check_optimizer(optimizer, where="model.optimizer",
+                    who="LossScaleMonitor"):
     """Returns `optimizer` if a tf_lossscale wrapper, else raises TypeError
-    naming `where` it was found, and the fix when Keras' own wrapper is what
-    `compile` left."""
+    naming `who` needs it, `where` it was found, and the fix when Keras' own
+    wrapper is what `compile` left."""
     if isinstance(optimizer, optimizer_protocol.ScaledLossProtocol):
         return optimizer
     kind = type(optimizer)
@@ -29,7 +30,7 @@ def check_optimizer(optimizer, where="model.optimizer"):
                 "pass optimizer=tf_lossscale.LossScaleOptimizer(...) to "
                 "compile")
     raise TypeError(
-        "LossScaleMonitor needs a model compiled with a "
+        f"{who} needs a model compiled with a "
         f"tf_lossscale.LossScaleOptimizer, but {where} is "
         f"{checks.summary(optimizer)} of type "
         f"{kind.__module__}.{kind.__qualname__}{hint}")
