@@ -28,7 +28,8 @@ def carry_on(report, model, scale=None, also=(), optimizers=None):
     Args:
       report: the `Float16Diagnosis` of `model` as it is now.
       model: a Keras 3 model compiled with a `tf_lossscale.LossScaleOptimizer`
-        (not scaled per layer).
+        (scaled per layer too: the fix keeps its segments, and their state
+        is among the weights it copies).
       scale: None (keep the scale as it is), or the loss scale to continue
         at, a number > 0 (a failure leaves the scale backed off to its floor:
         where it had settled is the better start).
