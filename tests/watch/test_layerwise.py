@@ -1,8 +1,9 @@
 """`FailureWatch` over a model scaled per layer
-(`tf_lossscale.layerwise.scale_per_layer`) in a custom loop: the watch
-reads the loss scale as for any model, the report names the layer, and
-`report.fix(model)` keeps the per-layer scaling with its state (factors,
-margins, good steps) and the optimizer's."""
+(`tf_lossscale.layerwise.scale_per_layer`), in a custom loop and in
+`FailureWatch.fit`: the watch reads the loss scale as for any model, the
+report names the layer, and `report.fix(model)` keeps the per-layer
+scaling with its state (factors, margins, good steps) and the
+optimizer's."""
 
 import keras
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tf_lossscale
+from tests.helpers import late_failures as late
 from tf_lossscale import layerwise
 
 pytestmark = [pytest.mark.usefixtures("keras_isolation"),
@@ -117,3 +119,29 @@ def test_the_loop_goes_on_with_the_fixed_model(failed):
     assert np.all(np.isfinite(losses))
     assert int(fixed.optimizer.skipped_steps) == skipped
     assert int(fixed.optimizer.iterations) == iterations + 4
+
+
+def test_watch_fit_carries_a_model_scaled_per_layer_on():
+    # The late failure of tests/watch/test_late_failures.py, its
+    # classifier scaled per layer, trained by `fit`.
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = late.logits_classifier(keras)
+    model.compile(optimizer=tf_lossscale.LossScaleOptimizer(
+        keras.optimizers.Lion(0.12)),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True))
+    model = layerwise.scale_per_layer(model)
+    x, y = late.separable_data()
+    watch = tf_lossscale.FailureWatch([(x[:late.BATCH], y[:late.BATCH])],
+                                      on_failure="fix", steps=1,
+                                      verbose=False)
+    history = watch.fit(model, x, y, batch_size=late.BATCH, epochs=22,
+                        shuffle=False, verbose=0)
+    (report,) = watch.reports
+    assert report.diagnosis.first_nonfinite_layer == "logits"
+    fixed = history.model
+    assert isinstance(fixed, layerwise.LayerwiseModel)
+    assert fixed.get_layer("logits").compute_dtype == "float32"
+    assert set(fixed.gradient_factors()) == set(model.gradient_factors())
+    assert int(fixed.optimizer.iterations) > int(model.optimizer.iterations)
+    assert np.all(np.isfinite(history.history["loss"]))
