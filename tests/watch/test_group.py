@@ -97,6 +97,19 @@ def test_fix_without_the_groups_optimizers_says_to_pass_them(failed):
         report.fix(model, optimizers=optimizers[:1])
 
 
+def test_fix_refuses_a_group_optimizer_of_another_models_variables(failed):
+    _, _, report = failed
+    model, _ = _model()
+    group = tf_lossscale.LossScaleGroup()
+    ours, theirs = [tf_lossscale.LossScaleOptimizer(
+        keras.optimizers.SGD(0.01), loss_scale=group) for _ in range(2)]
+    model.compile(optimizer=ours, loss="sparse_categorical_crossentropy")
+    ours.build(model.trainable_variables)
+    theirs.build([keras.Variable(np.zeros(3, np.float32), name="elsewhere")])
+    with pytest.raises(ValueError, match=r"'elsewhere'.*not trainable"):
+        report.fix(model, optimizers=[ours, theirs])
+
+
 def test_fix_carries_every_optimizer_of_the_group_on(failed):
     model, optimizers, report = failed
     fixed, carried = report.fix(model, optimizers=optimizers)

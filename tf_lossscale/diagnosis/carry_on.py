@@ -51,8 +51,8 @@ def carry_on(report, model, scale=None, also=(), optimizers=None):
             f"tf_lossscale.LossScaleOptimizer, got {checks.summary(old)}")
     group = (old.loss_scale.group
              if isinstance(old.loss_scale, group_lib.GroupMember) else None)
-    olds = [old] if group is None else _group_optimizers(group, old,
-                                                         optimizers)
+    olds = [old] if group is None else _group_optimizers(
+        model, group, old, optimizers)
     if group is None and optimizers is not None:
         raise ValueError(
             "optimizers is for an optimizer in a LossScaleGroup, and "
@@ -88,7 +88,7 @@ def carry_on(report, model, scale=None, also=(), optimizers=None):
     return fixed if group is None else (fixed, news)
 
 
-def _group_optimizers(group, old, optimizers):
+def _group_optimizers(model, group, old, optimizers):
     """`optimizers` as a list, checked to be every optimizer of `group`."""
     members = [member.optimizer for member in group.members]
     names = [getattr(o, "name", o) for o in members]
@@ -103,6 +103,22 @@ def _group_optimizers(group, old, optimizers):
         raise ValueError(
             f"optimizers must be every optimizer of {group!r} once ("
             f"{names}), got {[getattr(o, 'name', o) for o in optimizers]}")
+    # Each carried on is built where it was, at the same places in the
+    # fixed model: it must have been built, for variables of `model`.
+    ours = {id(v) for v in model.trainable_variables}
+    for optimizer in optimizers:
+        if not optimizer.built:
+            raise ValueError(
+                f"optimizers holds {optimizer.name!r}, not built yet: build "
+                "it (or step it once) before carrying it on")
+        others = [v.name for v in private_api.keras_built_for(optimizer)
+                  if id(v) not in ours]
+        if others:
+            raise ValueError(
+                f"optimizers holds {optimizer.name!r}, built for variables "
+                f"{others} that are not trainable variables of model "
+                f"{model.name!r}: carrying on moves the optimizers of one "
+                "model")
     return optimizers
 
 
