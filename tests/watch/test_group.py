@@ -1,5 +1,6 @@
 """`FailureWatch` over a custom loop with two optimizers in one
-`tf_lossscale.LossScaleGroup` (a two-part model: one optimizer per layer):
+`tf_lossscale.LossScaleGroup` (a two-part model: one optimizer per layer;
+on one device and under MirroredStrategy):
 the watch reads the group's shared scale, and `report.fix(model,
 optimizers=...)` carries every optimizer of the group on, each with its own
 slots and skipped steps, in a new group with the old one's state."""
@@ -10,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tf_lossscale
+from tests.helpers import training
 
 pytestmark = [pytest.mark.usefixtures("keras_isolation"),
               pytest.mark.xdist_group("watch_group")]
@@ -38,21 +40,29 @@ def _model():
     return model, optimizers
 
 
-def _step_function(model, optimizers):
+def _step_function(model, optimizers, strategy=None):
     parts = [model.get_layer(name).trainable_variables
              for name in ("hidden", "logits")]
 
-    @tf.function
-    def step(x, y):
+    def replica_step(x, y):
         with tf.GradientTape() as tape:
-            loss = keras.losses.sparse_categorical_crossentropy(
-                y, model(x, training=True), from_logits=True)
-            loss = tf.reduce_mean(loss)
+            loss = tf.nn.compute_average_loss(
+                keras.losses.sparse_categorical_crossentropy(
+                    y, model(x, training=True), from_logits=True),
+                global_batch_size=tf.shape(y)[0] * (
+                    strategy.num_replicas_in_sync if strategy else 1))
             scaled = optimizers[0].scale_loss(loss)
         grads = tape.gradient(scaled, parts)
         for optimizer, g, v in zip(optimizers, grads, parts):
             optimizer.apply_gradients(zip(g, v))
         return loss
+
+    @tf.function
+    def step(x, y):
+        if strategy is None:
+            return replica_step(x, y)
+        return strategy.reduce("SUM", strategy.run(replica_step, args=(
+            x, y)), axis=None)
 
     return step
 
@@ -147,3 +157,36 @@ def test_the_loop_goes_on_with_the_carried_group(failed):
     assert [int(o.iterations) for o in carried] == [i + 4 for i in iterations]
     # One good step of the shared scale per iteration of both optimizers.
     assert int(carried[0].loss_scale.group.loss_scale.good_steps) == good + 4
+
+
+def test_a_group_under_mirrored_strategy_is_watched_and_carried_on():
+    strategy = training.mirrored(2)
+    with strategy.scope():
+        model, optimizers = _model()
+    x, y = _batch()
+    ((x_parts, y_parts),) = list(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensors((x, y)).unbatch().batch(len(x))))
+    watch = tf_lossscale.FailureWatch([(x, y)], steps=1, settle_steps=3,
+                                      max_consecutive_skips=3,
+                                      on_failure="stop", verbose=False)
+    step = _step_function(model, optimizers, strategy)
+    bias = model.get_layer("logits").bias
+    report = None
+    for _ in range(40):
+        loss = step(x_parts, y_parts)
+        bias.assign(bias * GROWTH)
+        report = watch.after_step(model, loss)
+        if report is not None:
+            break
+    assert report is not None, "no failure in 40 steps"
+    assert report.diagnosis.first_nonfinite_layer == "logits"
+    fixed, carried = report.fix(model, optimizers=optimizers)
+    assert fixed.distribute_strategy is strategy
+    applied = [int(np.asarray(o.iterations)) for o in optimizers]
+    step = _step_function(fixed, carried, strategy)
+    losses = [float(step(x_parts, y_parts)) for _ in range(4)]
+    assert np.all(np.isfinite(losses))
+    assert [int(np.asarray(o.skipped_steps)) for o in carried] == [
+        report.skipped_steps] * 2
+    assert [int(np.asarray(o.iterations)) for o in carried] == [
+        count + 4 for count in applied]
