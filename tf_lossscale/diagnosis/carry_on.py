@@ -1,6 +1,7 @@
 """Carrying a run on: a model fixed by its diagnosis (`Float16Diagnosis.fix`)
 whose optimizer continues the original's, with its slots, its iterations
-and its loss scale's state (docs/guides/failure-watch.md).
+and its loss scale's state; with a `LossScaleGroup`, every optimizer of the
+group in a new group of the same state (docs/guides/failure-watch.md).
 """
 
 from tf_lossscale._internal import checks
