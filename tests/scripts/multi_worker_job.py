@@ -14,7 +14,9 @@ processes (one TensorFlow import each) serves every multi-worker test:
   (`run_group`; the steps of a group outside a block agree as a single
   optimizer's do, and `skip="together"` differs only on the host);
 - "layerwise": a model scaled per layer in a custom loop
-  (`multi_worker_layerwise_worker.py`).
+  (`multi_worker_layerwise_worker.py`);
+- "watch": a float16 run that fails late, watched by `FailureWatch` in a
+  custom loop and carried on (`multi_worker_watch_worker.py`).
 
 A scenario that raises is reported as its traceback and ends its worker,
 and a worker that dies or hangs ends the job (its peer would wait in a
@@ -37,6 +39,7 @@ import tensorflow as tf
 from tests.scripts import multi_worker_keras_worker as keras_worker
 from tests.scripts import multi_worker_layerwise_worker as layerwise_worker
 from tests.scripts import multi_worker_loss_scale_worker as loss_scale_worker
+from tests.scripts import multi_worker_watch_worker as watch_worker
 from tests.helpers import reference_oracle
 from tests.helpers import subprocesses
 
@@ -74,6 +77,7 @@ SCENARIOS = {
         strategy, JOB, _keras_3()),
     "layerwise": lambda strategy: layerwise_worker.run(
         strategy, layerwise_worker.JOB),
+    "watch": lambda strategy: watch_worker.run(strategy, watch_worker.JOB),
 }
 
 

@@ -1,14 +1,16 @@
 """Carrying a run on: a model fixed by its diagnosis (`Float16Diagnosis.fix`)
 whose optimizer continues the original's, with its slots, its iterations
-and its loss scale's state (docs/guides/failure-watch.md).
+and its loss scale's state; with a `LossScaleGroup`, every optimizer of the
+group in a new group of the same state (docs/guides/failure-watch.md).
 """
 
 from tf_lossscale._internal import checks
+from tf_lossscale._internal import private_api
 from tf_lossscale.keras3 import loss_scale_optimizer
 from tf_lossscale.loss_scales import group as group_lib
 
 
-def carry_on(report, model, scale=None, also=()):
+def carry_on(report, model, scale=None, also=(), optimizers=None):
     """Returns `report.fix(model)` compiled with an optimizer that holds the
     state of `model`'s: the inner optimizer's variables (iterations, slots),
     the skipped steps and the loss scale's state, its config kept.
@@ -17,43 +19,113 @@ def carry_on(report, model, scale=None, also=()):
     new model starts from exactly the state that failed, less the layers
     that made it fail.
 
+    When `model`'s optimizer is in a `LossScaleGroup` (a custom loop with
+    several optimizers), every optimizer of the group is carried on into a
+    new group of the same config and state, each built for the fixed
+    model's variables where the old one's were in `model`; the fixed model
+    is compiled with the new one of `model.optimizer`, and the return is
+    `(fixed, [the new optimizers, in the order of optimizers])`.
+
     Args:
       report: the `Float16Diagnosis` of `model` as it is now.
       model: a Keras 3 model compiled with a `tf_lossscale.LossScaleOptimizer`
-        (not scaled per layer, not in a `LossScaleGroup`).
+        (scaled per layer too: the fix keeps its segments, and their state
+        is among the weights it copies).
       scale: None (keep the scale as it is), or the loss scale to continue
         at, a number > 0 (a failure leaves the scale backed off to its floor:
         where it had settled is the better start).
       also: more layers to compute in float32 (`report.fix`'s `also`).
+      optimizers: with a group, every optimizer of it (`model.optimizer`
+        among them), each built for variables of `model`; else None.
 
     Raises:
       TypeError: `model`'s optimizer is not a Keras 3
         `tf_lossscale.LossScaleOptimizer`.
-      ValueError: its loss scale belongs to a `LossScaleGroup`, or a bad
-        `scale`; what `report.fix` raises.
+      ValueError: its loss scale is in a `LossScaleGroup` and `optimizers`
+        is not every optimizer of the group (or given without a group), or
+        a bad `scale`; what `report.fix` raises.
     """
     old = getattr(model, "optimizer", None)
     if not isinstance(old, loss_scale_optimizer.LossScaleOptimizer):
         raise TypeError(
             "carrying a run on needs a model compiled with a "
             f"tf_lossscale.LossScaleOptimizer, got {checks.summary(old)}")
-    if isinstance(old.loss_scale, group_lib.GroupMember):
+    group = (old.loss_scale.group
+             if isinstance(old.loss_scale, group_lib.GroupMember) else None)
+    olds = [old] if group is None else _group_optimizers(
+        model, group, old, optimizers)
+    if group is None and optimizers is not None:
         raise ValueError(
-            "carrying a run on is not supported for an optimizer in a "
-            "LossScaleGroup: fix the model with report.fix(model) and move "
-            "the group's state yourself")
+            "optimizers is for an optimizer in a LossScaleGroup, and "
+            f"model.optimizer {old.name!r} is in none: got optimizers="
+            f"{checks.summary(optimizers)}")
     if scale is not None:
         scale = checks.finite_float32("scale", scale, above=0)
-    loss_scale = old.loss_scale
-    inner = old.inner_optimizer
+    loss_scale = group_lib.underlying(old.loss_scale)
     with model.distribute_strategy.scope():
-        optimizer = loss_scale_optimizer.LossScaleOptimizer(
-            type(inner).from_config(inner.get_config()),
-            loss_scale=type(loss_scale).from_config(loss_scale.get_config()))
-    fixed = report.fix(model, optimizer=optimizer, also=also)
+        new_scale = type(loss_scale).from_config(loss_scale.get_config())
+        shared = new_scale if group is None else group_lib.LossScaleGroup(
+            new_scale, skip=group.skip)
+        news = [loss_scale_optimizer.LossScaleOptimizer(
+            type(o.inner_optimizer).from_config(
+                o.inner_optimizer.get_config()), loss_scale=shared)
+                for o in olds]
+    fixed = report.fix(model, optimizer=news[olds.index(old)], also=also)
     with fixed.distribute_strategy.scope():
-        optimizer.build(fixed.trainable_variables)
-    sources, targets = list(old.variables), list(optimizer.variables)
+        if group is None:
+            news[0].build(fixed.trainable_variables)
+        else:
+            # The fixed model's variables come in the order of `model`'s.
+            places = {id(v): i for i, v in enumerate(model.trainable_variables)}
+            targets = fixed.trainable_variables
+            for o, n in zip(olds, news):
+                n.build([targets[places[id(v)]]
+                         for v in private_api.keras_built_for(o)])
+    for o, n in zip(olds, news):
+        _copy(model, o, n)
+    if scale is not None and new_scale.variables:
+        # The first state variable is the scale (the saved order).
+        new_scale.variables[0].assign(scale)
+    return fixed if group is None else (fixed, news)
+
+
+def _group_optimizers(model, group, old, optimizers):
+    """`optimizers` as a list, checked to be every optimizer of `group`."""
+    members = [member.optimizer for member in group.members]
+    names = [getattr(o, "name", o) for o in members]
+    if optimizers is None:
+        raise ValueError(
+            f"model.optimizer {old.name!r} is in {group!r}: pass "
+            f"optimizers=[...], every optimizer of the group ({names}), to "
+            "carry them on together (report.fix(model, optimizers=...) "
+            "returns the fixed model and their new optimizers)")
+    optimizers = list(optimizers)
+    if sorted(map(id, optimizers)) != sorted(map(id, members)):
+        raise ValueError(
+            f"optimizers must be every optimizer of {group!r} once ("
+            f"{names}), got {[getattr(o, 'name', o) for o in optimizers]}")
+    # Each carried on is built where it was, at the same places in the
+    # fixed model: it must have been built, for variables of `model`.
+    ours = {id(v) for v in model.trainable_variables}
+    for optimizer in optimizers:
+        if not optimizer.built:
+            raise ValueError(
+                f"optimizers holds {optimizer.name!r}, not built yet: build "
+                "it (or step it once) before carrying it on")
+        others = [v.name for v in private_api.keras_built_for(optimizer)
+                  if id(v) not in ours]
+        if others:
+            raise ValueError(
+                f"optimizers holds {optimizer.name!r}, built for variables "
+                f"{others} that are not trainable variables of model "
+                f"{model.name!r}: carrying on moves the optimizers of one "
+                "model")
+    return optimizers
+
+
+def _copy(model, old, new):
+    """`old`'s variables into `new`'s, one for one."""
+    sources, targets = list(old.variables), list(new.variables)
     if len(sources) != len(targets) or any(
             tuple(s.shape) != tuple(t.shape)
             for s, t in zip(sources, targets)):
@@ -64,7 +136,3 @@ def carry_on(report, model, scale=None, also=()):
             f"{[tuple(v.shape) for v in targets]}")
     for source, target in zip(sources, targets):
         target.assign(source)
-    if scale is not None and optimizer.loss_scale.variables:
-        # The first state variable is the scale (the saved order).
-        optimizer.loss_scale.variables[0].assign(scale)
-    return fixed

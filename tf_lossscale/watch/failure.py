@@ -137,18 +137,22 @@ class FailureReport:
         lines += ["", "Diagnosis at the failure:", str(self.diagnosis)]
         return "\n".join(lines)
 
-    def fix(self, model, scale=None):
+    def fix(self, model, scale=None, optimizers=None):
         """`model` fixed by the diagnosis, with `growing_layers()` in float32
         too, its optimizer's state carried on
         (`tf_lossscale.diagnosis.carry_on`); `scale` defaults to where the
-        scale had settled, or, if it never had, where it began."""
+        scale had settled, or, if it never had, where it began. If
+        `model.optimizer` is in a `LossScaleGroup`, `optimizers` lists every
+        optimizer of the group, and the return is `(fixed model, their new
+        optimizers in that order)`, all in one new group."""
         if scale is None:
             scale = self.settled_scale or getattr(
                 group_lib.underlying(getattr(model.optimizer, "loss_scale",
                                              None)),
                 "initial_loss_scale", None)
         return carry_on_lib.carry_on(self.diagnosis, model, scale,
-                                     also=self.growing_layers())
+                                     also=self.growing_layers(),
+                                     optimizers=optimizers)
 
     def save(self, directory, model=None):
         """Writes `report.txt`, `report.json`, `diagnosis.png` (with
