@@ -1,14 +1,16 @@
 """Carrying a run on: a model fixed by its diagnosis (`Float16Diagnosis.fix`)
 whose optimizer continues the original's, with its slots, its iterations
-and its loss scale's state (docs/guides/failure-watch.md).
+and its loss scale's state, and, scaled per layer, its factors
+(docs/guides/failure-watch.md).
 """
 
 from tf_lossscale._internal import checks
 from tf_lossscale.keras3 import loss_scale_optimizer
+from tf_lossscale.layerwise import model as layerwise_model
 from tf_lossscale.loss_scales import group as group_lib
 
 
-def carry_on(report, model, scale=None, also=()):
+def carry_on(report, model, scale=None, also=(), per_layer=False):
     """Returns `report.fix(model)` compiled with an optimizer that holds the
     state of `model`'s: the inner optimizer's variables (iterations, slots),
     the skipped steps and the loss scale's state, its config kept.
@@ -20,11 +22,14 @@ def carry_on(report, model, scale=None, also=()):
     Args:
       report: the `Float16Diagnosis` of `model` as it is now.
       model: a Keras 3 model compiled with a `tf_lossscale.LossScaleOptimizer`
-        (not scaled per layer, not in a `LossScaleGroup`).
+        (scaled per layer or not; not in a `LossScaleGroup`).
       scale: None (keep the scale as it is), or the loss scale to continue
         at, a number > 0 (a failure leaves the scale backed off to its floor:
         where it had settled is the better start).
       also: more layers to compute in float32 (`report.fix`'s `also`).
+      per_layer: `report.fix`'s: the fixed model scaled per layer (a model
+        scaled per layer already keeps its segments); its factor state is
+        carried on too (`carry_scaling_state`).
 
     Raises:
       TypeError: `model`'s optimizer is not a Keras 3
@@ -50,7 +55,11 @@ def carry_on(report, model, scale=None, also=()):
         optimizer = loss_scale_optimizer.LossScaleOptimizer(
             type(inner).from_config(inner.get_config()),
             loss_scale=type(loss_scale).from_config(loss_scale.get_config()))
-    fixed = report.fix(model, optimizer=optimizer, also=also)
+    fixed = report.fix(model, optimizer=optimizer, also=also,
+                       per_layer=per_layer)
+    # Made scaled per layer anew, the model has an optimizer of its own, of
+    # the same configs: it takes the state.
+    optimizer = fixed.optimizer
     with fixed.distribute_strategy.scope():
         optimizer.build(fixed.trainable_variables)
     sources, targets = list(old.variables), list(optimizer.variables)
@@ -67,4 +76,28 @@ def carry_on(report, model, scale=None, also=()):
     if scale is not None and optimizer.loss_scale.variables:
         # The first state variable is the scale (the saved order).
         optimizer.loss_scale.variables[0].assign(scale)
+    carry_scaling_state(model, fixed)
     return fixed
+
+
+def carry_scaling_state(model, fixed):
+    """Gives `fixed` the per-layer scaling state of `model` (factors,
+    margins, good steps: `tf_lossscale.layerwise.LayerwiseModel`) when both
+    are scaled per layer with the same segments; a model newly scaled per
+    layer keeps its fresh state (its factors align within a few steps).
+
+    Raises:
+      ValueError: both are scaled per layer, with other segments.
+    """
+    if not (isinstance(model, layerwise_model.LayerwiseModel)
+            and isinstance(fixed, layerwise_model.LayerwiseModel)):
+        return
+    if model.segments != fixed.segments:
+        raise ValueError(
+            f"the fixed model {fixed.name!r} is cut into segments "
+            f"{fixed.segments}, not {model.segments} as model "
+            f"{model.name!r}: its per-layer state cannot be carried on")
+    # The fix's copy holds them already (they are among the model's
+    # weights); assigned here so that no path to `fixed` can lose them.
+    for source, target in zip(model._factor_state, fixed._factor_state):  # pylint: disable=protected-access
+        target.assign(source)
