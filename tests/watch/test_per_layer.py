@@ -9,9 +9,12 @@ The models: `tests/helpers/late_failures.py` (logits that overflow) and
 `tests/helpers/late_underflow.py` (gradients that drift below float16).
 """
 
+import pathlib
+
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tf_lossscale
 from tests.helpers import late_failures as late
@@ -33,7 +36,7 @@ def _state(model):
 
 
 @pytest.fixture(scope="module")
-def scaled_failure():
+def scaled_failure(tmp_path_factory):
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = late.logits_classifier(keras)
     model.compile(optimizer=tf_lossscale.LossScaleOptimizer(
@@ -43,8 +46,9 @@ def scaled_failure():
     x, y = late.separable_data()
     first = [(x[i:i + late.BATCH], y[i:i + late.BATCH])
              for i in range(0, 2 * late.BATCH, late.BATCH)]
-    watch = tf_lossscale.FailureWatch(first, on_failure="stop", steps=2,
-                                      verbose=False)
+    watch = tf_lossscale.FailureWatch(
+        first, on_failure="stop", steps=2, verbose=False,
+        directory=tmp_path_factory.mktemp("scaled_failure"))
     scaled.fit(x, y, batch_size=late.BATCH, epochs=22, shuffle=False,
                verbose=0, callbacks=[watch])
     return scaled, watch, x, y
@@ -63,6 +67,19 @@ def test_a_model_scaled_per_layer_is_watched_and_diagnosed(scaled_failure):
     assert "'logits'" in report.cause
     # Its factors moved from their start: there is state to carry on.
     assert _state(scaled)["gradient_good_steps"][0] > 0
+
+
+def test_the_bundle_of_a_model_scaled_per_layer_shows_the_failure(
+        scaled_failure):
+    scaled, watch, _, _ = scaled_failure
+    model, batches = tf_lossscale.watch.load_bundle(
+        pathlib.Path(watch.directory) / "bundle")
+    assert isinstance(model, tf_lossscale.layerwise.LayerwiseModel)
+    assert model.segments == scaled.segments
+    for name, value in _state(model).items():
+        np.testing.assert_array_equal(value, _state(scaled)[name])
+    again = tf_lossscale.diagnose(model, batches, verbose=0)
+    assert again.first_nonfinite_layer == "logits"
 
 
 def test_carrying_on_keeps_the_segments_and_every_state(scaled_failure):
@@ -202,3 +219,65 @@ def test_the_run_carried_on_per_layer_trains_as_float32(underflow_run):
     expected_move = np.linalg.norm(
         _low_weights(underflow_run["twin"]) - start)
     assert 0.5 * expected_move < moved < 2 * expected_move
+
+
+def test_a_custom_loop_carries_on_into_the_model_scaled_per_layer():
+    model = late_underflow.drifting_model()
+    x, y = late_underflow.data()
+    size = late_underflow.BATCH
+    batches = [(x[i:i + size], y[i:i + size])
+               for i in range(0, len(x), size)]
+    watch = tf_lossscale.FailureWatch(
+        batches[:4], on_failure="fix", steps=4, verbose=False,
+        settle_steps=60, scale_drop_binades=4)
+
+    def step_function(model):
+        optimizer = model.optimizer
+
+        @tf.function
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = keras.losses.mean_squared_error(
+                    y, model(x, training=True))
+                loss = tf.reduce_mean(loss)
+                scaled = optimizer.scale_loss(loss)
+            grads = tape.gradient(scaled, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        return step
+
+    step, failed, after = step_function(model), None, []
+    for _ in range(_EPOCHS):
+        for x_batch, y_batch in batches[:4]:
+            loss = step(x_batch, y_batch)
+            if failed is not None:
+                after.append((x_batch, y_batch, float(loss)))
+            report = watch.after_step(model, loss)
+            if report is not None:
+                failed = model
+                model = report.fix(model)
+                step = step_function(model)
+
+    assert failed is not None and len(watch.reports) == 1
+    assert watch.reports[0].per_layer_advised(failed)
+    assert isinstance(model, tf_lossscale.layerwise.LayerwiseModel)
+    # Every step counted on across the fix.
+    assert int(model.optimizer.iterations) + int(
+        model.optimizer.skipped_steps) == _EPOCHS * 4
+    # Its low segment's factor lifts their gradients into float16's range.
+    assert model.gradient_factors()["low_1"] > 2.0 ** 20
+    assert np.all(np.isfinite([loss for _, _, loss in after]))
+    # The float32 run from the failed state, on the same batches: the low
+    # layers move as far, and the losses end alike.
+    twin = _float32_twin(failed)
+    for x_batch, y_batch, _ in after:
+        twin.train_on_batch(x_batch, y_batch)
+    start = _low_weights(failed)
+    moved = np.linalg.norm(_low_weights(model) - start)
+    expected = np.linalg.norm(_low_weights(twin) - start)
+    assert 0.5 * expected < moved < 2 * expected
+    x_eval, y_eval = x[:4 * size], y[:4 * size]
+    np.testing.assert_allclose(
+        model.evaluate(x_eval, y_eval, verbose=0),
+        twin.evaluate(x_eval, y_eval, verbose=0), rtol=0.15)
