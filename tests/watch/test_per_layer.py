@@ -25,11 +25,10 @@ from tf_lossscale.diagnosis import carry_on
 pytestmark = [pytest.mark.usefixtures("keras_isolation"),
               pytest.mark.xdist_group("watch_per_layer")]
 
-_STATE = ("gradient_factors", "gradient_margins", "gradient_good_steps")
-
-
 def _state(model):
-    return {name: np.asarray(getattr(model, f"_{name}")) for name in _STATE}
+    """The factor state's values, by name."""
+    return {name: np.asarray(variable) for name, variable in
+            model.factor_state._asdict().items()}
 
 
 # A model scaled per layer whose logits overflow late.
@@ -66,7 +65,7 @@ def test_a_model_scaled_per_layer_is_watched_and_diagnosed(scaled_failure):
     assert report.diagnosis.first_nonfinite_layer == "logits"
     assert "'logits'" in report.cause
     # Its factors moved from their start: there is state to carry on.
-    assert _state(scaled)["gradient_good_steps"][0] > 0
+    assert _state(scaled)["good_steps"][0] > 0
 
 
 def test_the_bundle_of_a_model_scaled_per_layer_shows_the_failure(
@@ -111,8 +110,8 @@ def test_carrying_on_keeps_the_segments_and_every_state(scaled_failure):
     assert np.all(np.isfinite(history.history["loss"]))
     assert int(new.skipped_steps) == int(old.skipped_steps)
     assert int(new.iterations) == applied + late.STEPS_PER_EPOCH
-    assert _state(fixed)["gradient_good_steps"][0] == (
-        before["gradient_good_steps"][0] + late.STEPS_PER_EPOCH)
+    assert _state(fixed)["good_steps"][0] == (
+        before["good_steps"][0] + late.STEPS_PER_EPOCH)
 
 
 def test_carrying_on_refuses_other_segments():

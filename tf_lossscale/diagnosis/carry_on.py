@@ -99,5 +99,5 @@ def carry_scaling_state(model, fixed):
             f"{model.name!r}: its per-layer state cannot be carried on")
     # The fix's copy holds them already (they are among the model's
     # weights); assigned here so that no path to `fixed` can lose them.
-    for source, target in zip(model._factor_state, fixed._factor_state):  # pylint: disable=protected-access
+    for source, target in zip(model.factor_state, fixed.factor_state):
         target.assign(source)
