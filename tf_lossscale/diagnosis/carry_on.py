@@ -1,16 +1,19 @@
 """Carrying a run on: a model fixed by its diagnosis (`Float16Diagnosis.fix`)
 whose optimizer continues the original's, with its slots, its iterations
 and its loss scale's state; with a `LossScaleGroup`, every optimizer of the
-group in a new group of the same state (docs/guides/failure-watch.md).
+group in a new group of the same state; scaled per layer, its factors
+(docs/guides/failure-watch.md).
 """
 
 from tf_lossscale._internal import checks
 from tf_lossscale._internal import private_api
 from tf_lossscale.keras3 import loss_scale_optimizer
+from tf_lossscale.layerwise import model as layerwise_model
 from tf_lossscale.loss_scales import group as group_lib
 
 
-def carry_on(report, model, scale=None, also=(), optimizers=None):
+def carry_on(report, model, scale=None, also=(), optimizers=None,
+             per_layer=False):
     """Returns `report.fix(model)` compiled with an optimizer that holds the
     state of `model`'s: the inner optimizer's variables (iterations, slots),
     the skipped steps and the loss scale's state, its config kept.
@@ -30,13 +33,16 @@ def carry_on(report, model, scale=None, also=(), optimizers=None):
       report: the `Float16Diagnosis` of `model` as it is now.
       model: a Keras 3 model compiled with a `tf_lossscale.LossScaleOptimizer`
         (scaled per layer too: the fix keeps its segments, and their state
-        is among the weights it copies).
+        is carried on).
       scale: None (keep the scale as it is), or the loss scale to continue
         at, a number > 0 (a failure leaves the scale backed off to its floor:
         where it had settled is the better start).
       also: more layers to compute in float32 (`report.fix`'s `also`).
       optimizers: with a group, every optimizer of it (`model.optimizer`
         among them), each built for variables of `model`; else None.
+      per_layer: `report.fix`'s: the fixed model scaled per layer (a model
+        scaled per layer already keeps its segments); its factor state is
+        carried on too (`carry_scaling_state`).
 
     Raises:
       TypeError: `model`'s optimizer is not a Keras 3
@@ -59,6 +65,13 @@ def carry_on(report, model, scale=None, also=(), optimizers=None):
             "optimizers is for an optimizer in a LossScaleGroup, and "
             f"model.optimizer {old.name!r} is in none: got optimizers="
             f"{checks.summary(optimizers)}")
+    if group is not None and per_layer and not isinstance(
+            model, layerwise_model.LayerwiseModel):
+        raise ValueError(
+            f"per_layer=True would scale model {model.name!r} per layer anew "
+            f"with an optimizer of its own, outside {group!r}: carry the "
+            "group on with per_layer=False, or scale the model per layer "
+            "before training")
     if scale is not None:
         scale = checks.finite_float32("scale", scale, above=0)
     loss_scale = group_lib.underlying(old.loss_scale)
@@ -70,7 +83,13 @@ def carry_on(report, model, scale=None, also=(), optimizers=None):
             type(o.inner_optimizer).from_config(
                 o.inner_optimizer.get_config()), loss_scale=shared)
                 for o in olds]
-    fixed = report.fix(model, optimizer=news[olds.index(old)], also=also)
+    fixed = report.fix(model, optimizer=news[olds.index(old)], also=also,
+                       per_layer=per_layer)
+    if fixed.optimizer is not news[0] and group is None:
+        # Made scaled per layer anew, the model has an optimizer of its own,
+        # of the same configs: it takes the state.
+        news = [fixed.optimizer]
+        new_scale = group_lib.underlying(fixed.optimizer.loss_scale)
     with fixed.distribute_strategy.scope():
         if group is None:
             news[0].build(fixed.trainable_variables)
@@ -86,6 +105,7 @@ def carry_on(report, model, scale=None, also=(), optimizers=None):
     if scale is not None and new_scale.variables:
         # The first state variable is the scale (the saved order).
         new_scale.variables[0].assign(scale)
+    carry_scaling_state(model, fixed)
     return fixed if group is None else (fixed, news)
 
 
@@ -135,4 +155,27 @@ def _copy(model, old, new):
             f"{[tuple(v.shape) for v in sources]} against "
             f"{[tuple(v.shape) for v in targets]}")
     for source, target in zip(sources, targets):
+        target.assign(source)
+
+
+def carry_scaling_state(model, fixed):
+    """Gives `fixed` the per-layer scaling state of `model` (factors,
+    margins, good steps: `tf_lossscale.layerwise.LayerwiseModel`) when both
+    are scaled per layer with the same segments; a model newly scaled per
+    layer keeps its fresh state (its factors align within a few steps).
+
+    Raises:
+      ValueError: both are scaled per layer, with other segments.
+    """
+    if not (isinstance(model, layerwise_model.LayerwiseModel)
+            and isinstance(fixed, layerwise_model.LayerwiseModel)):
+        return
+    if model.segments != fixed.segments:
+        raise ValueError(
+            f"the fixed model {fixed.name!r} is cut into segments "
+            f"{fixed.segments}, not {model.segments} as model "
+            f"{model.name!r}: its per-layer state cannot be carried on")
+    # The fix's copy holds them already (they are among the model's
+    # weights); assigned here so that no path to `fixed` can lose them.
+    for source, target in zip(model.factor_state, fixed.factor_state):
         target.assign(source)

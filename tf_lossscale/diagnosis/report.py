@@ -87,7 +87,8 @@ class Float16Diagnosis:
         in float16, and the model's gradients are scaled per layer instead
         (`tf_lossscale.layerwise.scale_per_layer`, Keras 3 only), with
         segments where the layers' gradient magnitudes part
-        (`gradient_maxima`): a `LayerwiseModel`. Every layer of the
+        (`gradient_maxima`): a `LayerwiseModel` (a `LayerwiseModel` given
+        is copied with its segments and factor state). Every layer of the
         new model is checked to compute as intended (nested ones, and those
         a layer makes itself, included). Compiled as `model` was, with a
         `LossScaleOptimizer` around a new inner optimizer from the
@@ -173,8 +174,10 @@ class Float16Diagnosis:
                 loss=model.loss or self._arguments["loss"],
                 **models.keras_module(model).saving.deserialize_keras_object(
                     settings))
-        if per_layer:
+        if per_layer and not isinstance(fixed, layerwise.LayerwiseModel):
             # Segments where the gradients' magnitudes part, and only there.
+            # (A model scaled per layer already is copied with its own
+            # segments and factors: they follow its gradients as they are.)
             return layerwise.scale_per_layer(
                 fixed, segments=self.gradient_maxima())
         return fixed

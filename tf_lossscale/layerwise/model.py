@@ -106,6 +106,13 @@ class LayerwiseModel(keras.Model):
         return [list(s) for s in self._segments]
 
     @property
+    def factor_state(self):
+        """The factor rule's state variables, `rule.FactorState(factors,
+        margins, good_steps)`: what carrying a run on copies
+        (`tf_lossscale.diagnosis.carry_on`)."""
+        return self._factor_state
+
+    @property
     def factor_rule(self):
         """The `rule.FactorRule` the factors follow."""
         return self._factor_rule

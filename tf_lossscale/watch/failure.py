@@ -10,11 +10,13 @@ import warnings
 
 import numpy as np
 
+from tf_lossscale import layerwise
 from tf_lossscale.diagnosis import advice
 from tf_lossscale.diagnosis import carry_on as carry_on_lib
 from tf_lossscale.diagnosis import text
 from tf_lossscale.loss_scales import group as group_lib
 from tf_lossscale.ops import float16
+from tf_lossscale.step import optimizer_protocol
 
 
 class Float16FailureError(RuntimeError):
@@ -71,7 +73,10 @@ class FailureReport:
         if figures["underflowing_variables"]:
             return ("float16 loses the gradients of "
                     f"{', '.join(figures['underflowing_variables'][:5])} to "
-                    "underflow")
+                    "underflow" + (
+                        "; scaled per layer, float16 keeps them (fix: "
+                        "per-layer scaling)" if figures["per_layer_scalable"]
+                        else ""))
         if figures["keep_in_float32"]:
             return ("float16 cannot hold layers "
                     f"{', '.join(map(repr, figures['keep_in_float32']))}")
@@ -137,14 +142,20 @@ class FailureReport:
         lines += ["", "Diagnosis at the failure:", str(self.diagnosis)]
         return "\n".join(lines)
 
-    def fix(self, model, scale=None, optimizers=None):
+    def fix(self, model, scale=None, optimizers=None, per_layer=None):
         """`model` fixed by the diagnosis, with `growing_layers()` in float32
         too, its optimizer's state carried on
         (`tf_lossscale.diagnosis.carry_on`); `scale` defaults to where the
         scale had settled, or, if it never had, where it began. If
         `model.optimizer` is in a `LossScaleGroup`, `optimizers` lists every
         optimizer of the group, and the return is `(fixed model, their new
-        optimizers in that order)`, all in one new group."""
+        optimizers in that order)`, all in one new group. `per_layer`
+        (`Float16Diagnosis.fix`'s) defaults to `per_layer_advised(model)`
+        (for a group, only a model scaled per layer already stays so)."""
+        if per_layer is None:
+            per_layer = self.per_layer_advised(model) and (
+                optimizers is None
+                or isinstance(model, layerwise.LayerwiseModel))
         if scale is None:
             scale = self.settled_scale or getattr(
                 group_lib.underlying(getattr(model.optimizer, "loss_scale",
@@ -152,7 +163,18 @@ class FailureReport:
                 "initial_loss_scale", None)
         return carry_on_lib.carry_on(self.diagnosis, model, scale,
                                      also=self.growing_layers(),
-                                     optimizers=optimizers)
+                                     optimizers=optimizers,
+                                     per_layer=per_layer)
+
+    def per_layer_advised(self, model):
+        """Whether `fix` scales `model` per layer: a model scaled per layer
+        already stays so; another (Keras 3) is when the diagnosis keeps
+        layers in float32 only for gradients lost to underflow, which a
+        scale of their own keeps in float16."""
+        if isinstance(model, layerwise.LayerwiseModel):
+            return True
+        return bool(self.diagnosis.as_dict()["per_layer_scalable"]) and (
+            not optimizer_protocol.comes_from_tf_keras(model))
 
     def save(self, directory, model=None):
         """Writes `report.txt`, `report.json`, `diagnosis.png` (with
