@@ -252,15 +252,14 @@ class LossScaleGroup(private_api.Trackable):
         """A context manager: the members' steps inside it are one iteration.
 
         Optimizer steps inside the block are deferred to its end, where the
-        finiteness of all of them is agreed on at once (one all-reduce, with
-        several replicas or workers), each applies or skips as `skip` says,
-        and the loss scale takes its one step of the iteration. So inside
-        the block no optimizer has applied yet: compute every gradient first
-        (the losses of later steps see the weights as they were). A member
-        may step once per block; optimizers of the group that do not step in
-        it take no part in that iteration. Use it for `skip="together"`, for
-        one agreement per iteration instead of one per optimizer, and for
-        schedules where the optimizers do not all step every iteration (a
+        finiteness of all of them is decided at once (read off each step's
+        gradients summed over the replicas), each applies or skips as
+        `skip` says, and the loss scale takes its one step of the
+        iteration. So inside the block no optimizer has applied yet:
+        compute every gradient first (the losses of later steps see the
+        weights as they were). A member may step once per block; optimizers
+        of the group that do not step in it take no part in that iteration.
+        Use it for `skip="together"` and for schedules where the optimizers do not all step every iteration (a
         critic stepping five times per generator step: a block each).
 
         Open it where the steps are built: inside the `tf.function` or the

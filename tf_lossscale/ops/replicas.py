@@ -198,16 +198,3 @@ def any_replica_true(flags_fn, *args):
     if strategy is None:
         return flags_fn(*args)
     return _replica_sum(strategy, flags_fn, args) > 0
-
-
-def sum_over_replicas(values_fn, *args):
-    """Returns `values_fn(*args)` (a float32 tensor of static shape) summed
-    over every replica of every worker, with one all-reduce.
-
-    Must be called in cross-replica context (or without a strategy), where
-    each replica evaluates `values_fn` on its own values of `args`.
-    """
-    strategy = strategy_in_use()
-    if strategy is None:
-        return values_fn(*args)
-    return _replica_sum(strategy, values_fn, args)
