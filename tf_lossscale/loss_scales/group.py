@@ -259,8 +259,9 @@ class LossScaleGroup(private_api.Trackable):
         compute every gradient first (the losses of later steps see the
         weights as they were). A member may step once per block; optimizers
         of the group that do not step in it take no part in that iteration.
-        Use it for `skip="together"` and for schedules where the optimizers do not all step every iteration (a
-        critic stepping five times per generator step: a block each).
+        Use it for `skip="together"` and for schedules where the optimizers
+        do not all step every iteration (a critic stepping five times per
+        generator step: a block each).
 
         Open it where the steps are built: inside the `tf.function` or the
         `train_step` (in each replica, with a strategy), not around a call
