@@ -1,29 +1,16 @@
 """tf_lossscale: loss scaling for float16 training with TensorFlow and Keras.
 
-Public API:
+Public API (docs/reference says more of each):
 
-* `LossScale`, `FixedLossScale`, `DynamicLossScale`: loss scales with the
-  contract of TensorFlow's `tf.compat.v1.mixed_precision.LossScale`;
-* `get`, `serialize`, `deserialize`: identifiers and configs to loss scales;
-* `LossScaleGroup`: one loss scale for several optimizers (a GAN's two),
-  moved once per training iteration;
-* `LossScaleOptimizer`: the Keras optimizer wrapper that uses them (for
-  tf-keras optimizers, a tf-keras wrapper: `tf_lossscale.tf_keras.loss_scale_optimizer`);
-* `compat.v1.MixedPrecisionLossScaleOptimizer`: the wrapper for
-  `tf.compat.v1.train` optimizers (TF1 graphs and Sessions);
-* `LossScaleMonitor`: a Keras callback that puts the current loss scale and
-  the count of skipped steps into the logs of `fit` (progress bar, History,
-  CSVLogger, TensorBoard);
-* `XlaChecks`, `with_xla_checks`: the host-side checks an XLA-compiled step
-  needs (`fit`'s callbacks; a custom step);
-* `diagnose`, `Float16Diagnosis`: why a float16 run gives NaN or does not
-  learn, measured layer by layer on a few batches, with the loss scales and
-  the float32 layers that fix it;
-* `layerwise.scale_per_layer`: per-layer gradient scaling, for models no
-  single loss scale fits;
-* `FailureWatch`, `FailureReport`, `Float16FailureError`: a run watched for
-  a persistent float16 failure, diagnosed where it fails, stopped or
-  carried on fixed (`tf_lossscale.watch`).
+* `LossScale`, `FixedLossScale`, `DynamicLossScale` (TensorFlow's contract);
+  `get`, `serialize`, `deserialize`; `LossScaleGroup` (several optimizers);
+* `LossScaleOptimizer` (Keras 3, and tf-keras optimizers' wrapper);
+  `compat.v1.MixedPrecisionLossScaleOptimizer` (TF1 graphs and Sessions);
+* `LossScaleMonitor`, `XlaChecks`, `with_xla_checks`: logs and host checks;
+* `diagnose`, `Float16Diagnosis`: why float16 fails, layer by layer, and the
+  fix; `layerwise.scale_per_layer`: a gradient scale per layer;
+* `FailureWatch`, `FailureReport`, `Float16FailureError`: a failing run
+  diagnosed where it fails, stopped or carried on (`tf_lossscale.watch`).
 """
 
 # TensorFlow is not a pip requirement of this package (setup.py says why):
