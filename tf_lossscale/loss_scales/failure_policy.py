@@ -185,12 +185,12 @@ def apply_policy(new_state, at_floor, floor, policy, limit):
     scale, skips = new_state.scale, new_state.consecutive_skips
     ops = []
     if policy != "continue":
-        act = _warn_if if policy == "warn" else _fail_if
+        act = _warn_if if policy == "warn" else fail_if
         ops += ops_of(act(at_floor, floor_template(floor, policy),
                           (scale, skips)))
     if limit is not None:
         with tf.control_dependencies(ops):
-            ops += ops_of(_fail_if(skips >= limit, limit_template(limit),
+            ops += ops_of(fail_if(skips >= limit, limit_template(limit),
                                    (skips, scale)))
     return ops
 
@@ -200,7 +200,7 @@ def ops_of(op):
     return [] if op is None else [op]
 
 
-def _fail_if(condition, template, values):
+def fail_if(condition, template, values):
     """Fails the step with `template` formatted with `values` if `condition`.
 
     Eagerly it raises; in graphs it returns the assertion op.
