@@ -22,7 +22,7 @@ from tf_lossscale._internal import checks
 from tf_lossscale._internal import private_api
 from tf_lossscale.groups import blocks
 from tf_lossscale.groups import iteration
-from tf_lossscale.groups.member import GroupMember
+from tf_lossscale.groups import member
 from tf_lossscale.loss_scales import dynamic_loss_scale
 from tf_lossscale.loss_scales import failure_policy
 from tf_lossscale.loss_scales import loss_scale as loss_scale_lib
@@ -31,7 +31,6 @@ from tf_lossscale.loss_scales import xla_record
 from tf_lossscale.ops import replicas
 
 SKIP_RULES = ("each", "together")
-_UNSET = object()
 
 
 def group_of(loss_scale):
@@ -48,7 +47,7 @@ def _resolve(loss_scale):
     if isinstance(loss_scale, (int, float)) and not isinstance(
             loss_scale, bool):
         return loss_scale_lib.FixedLossScale(loss_scale)
-    if isinstance(loss_scale, GroupMember):
+    if isinstance(loss_scale, member.GroupMember):
         raise TypeError(
             "loss_scale is a member of a LossScaleGroup already "
             f"({checks.summary(loss_scale)}); share that group instead")
@@ -63,7 +62,8 @@ def _resolve(loss_scale):
 
 
 @serialization.register
-class LossScaleGroup(blocks.IterationBlocks, private_api.Trackable):
+class LossScaleGroup(blocks.IterationBlocks, member.Membership,
+                     private_api.Trackable):
     """One loss scale for several optimizers: one step of it per iteration.
 
     Give the group as the `loss_scale` of each optimizer wrapper (Keras 3,
@@ -129,7 +129,7 @@ class LossScaleGroup(blocks.IterationBlocks, private_api.Trackable):
                 + ": make both under the same strategy's scope()")
         self._loss_scale = inner
         self._strategy = strategy
-        self._member_strategy = _UNSET
+        self._member_strategy = member.UNSET
         self._members = []  # Weak references, in joining order.
         self._members_mask = None  # Fixed at the first step.
         self._blocks = {}
@@ -160,12 +160,6 @@ class LossScaleGroup(blocks.IterationBlocks, private_api.Trackable):
     def variables(self):
         """The state of the open iteration (empty for a fixed loss scale)."""
         return tuple(self._state_variables.values())
-
-    @property
-    def members(self):
-        """The `GroupMember` of each optimizer that joined, in joining order."""
-        return [member for member in (ref() for ref in self._members)
-                if member is not None]
 
     def __call__(self):
         """The current loss scale, a scalar float32 tensor."""
@@ -208,48 +202,6 @@ class LossScaleGroup(blocks.IterationBlocks, private_api.Trackable):
         return (f"LossScaleGroup({self._loss_scale!r}, skip={self._skip!r}, "
                 f"members={[m.name for m in self.members]!r})")
 
-    # Joining.
-
-    def check_joinable(self):
-        """Raises ValueError, changing nothing, unless an optimizer made now
-        (under the current strategy) can join."""
-        if self._members_mask is not None:
-            names = ", ".join(m.name for m in self.members) or (
-                "none left (was each one discarded after its step was built?)")
-            raise ValueError(
-                "This LossScaleGroup has stepped already, with the optimizers "
-                f"{names}: every optimizer must join before the first step "
-                "(make them all, then train)")
-        if len(self._members) >= iteration.MAX_MEMBERS:
-            raise ValueError("A LossScaleGroup takes at most "
-                             f"{iteration.MAX_MEMBERS} optimizers")
-        current = replicas.strategy_in_use()
-        expected = (self._strategy if self._strategy is not None
-                    else self._member_strategy)
-        if expected is not _UNSET and current is not expected:
-            def where(strategy):
-                return ("outside any strategy" if strategy is None
-                        else f"under {type(strategy).__name__} "
-                        f"{id(strategy):#x}")
-            which = "was made" if self._strategy is not None else (
-                "has optimizers made")
-            raise ValueError(
-                f"This LossScaleGroup {which} {where(expected)}, but an "
-                f"optimizer joins it {where(current)}: a group's optimizers "
-                "live under one strategy (make the group and every optimizer "
-                "under the same strategy's scope())")
-
-    def join(self, owner=None):
-        """Returns a new `GroupMember` for `owner` (an optimizer wrapper,
-        held weakly, which names it in messages). Wrappers call it when
-        given the group; call it yourself for your own loop's loss scale."""
-        self.check_joinable()
-        if self._strategy is None and self._member_strategy is _UNSET:
-            self._member_strategy = replicas.strategy_in_use()
-        member = GroupMember(self, len(self._members), owner)
-        self._members.append(weakref.ref(member))
-        return member
-
     # Steps (cross-replica context).
 
     def step(self, members, flags, *, ends_now=False, gated=True):
@@ -270,19 +222,18 @@ class LossScaleGroup(blocks.IterationBlocks, private_api.Trackable):
                 self._should_apply(flags, all_finite)
                 if self._loss_scale._needs_finiteness  # pylint: disable=protected-access
                 else [True] * len(flags))
-        if self._members_mask is None:  # Members gone by now do not count.
-            self._members_mask = sum(1 << m.index for m in self.members)
-        bits = sum(1 << member.index for member in members)
+        bits = sum(1 << m.index for m in members)
         stepped, overflowed = (tf.convert_to_tensor(v) for v in self.variables)
         moved = iteration.next_iteration(stepped, overflowed, bits, all_finite,
-                                         self._members_mask, ends_now)
+                                         self._members_bits(), ends_now)
         record = (self._loss_scale._xla_record  # pylint: disable=protected-access
                   if xla_record.in_xla_context() else None)
         eager_lock = (self._loss_scale._eager_lock if tf.executing_eagerly()  # pylint: disable=protected-access
                       else contextlib.nullcontext())
         with self._lock, eager_lock:
             if record is None:  # Raises eagerly; assertions in graphs.
-                repeated, invalid = self._templates(members)
+                repeated, invalid = iteration.refusal_templates(
+                    bits, self._named_bits())
                 refusals = failure_policy.ops_of(failure_policy.fail_if(
                     moved.repeated, repeated, [stepped]))
                 refusals += failure_policy.ops_of(failure_policy.fail_if(
@@ -329,18 +280,6 @@ class LossScaleGroup(blocks.IterationBlocks, private_api.Trackable):
         with tf.control_dependencies(failure_policy.ops_of(update_op)):
             return tf.constant(True)
 
-    def _templates(self, members):
-        return iteration.refusal_templates(
-            ", ".join(m.name for m in members),
-            [(m.name, 1 << m.index) for m in self.members])
-
     def _refusal_message(self, values):
         """The message of a refusal recorded under XLA (`xla_record.refuse`)."""
-        bits, stepped, overflowed = values[:3]
-        repeated, invalid = self._templates(
-            [m for m in self.members if bits & (1 << m.index)])
-        if stepped & bits:
-            return failure_policy.format_like_the_step(
-                repeated, ((stepped, tf.int64),))
-        return failure_policy.format_like_the_step(
-            invalid, ((stepped, tf.int64), (overflowed, tf.int64)))
+        return iteration.refusal_message(self._named_bits(), *values[:3])

@@ -17,8 +17,8 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-# Members are bits of an int64; the sign bit stays clear.
-MAX_MEMBERS = 62
+from tf_lossscale.loss_scales import failure_policy
+
 # The names of the iteration's state in checkpoints and `.keras` files.
 STEPPED, OVERFLOWED = "iteration_members_stepped", "iteration_overflowed"
 
@@ -67,15 +67,15 @@ def next_iteration(stepped, overflowed, bits, all_finite, members, ends_now):
         overflowed=tf.where(ends, zero, tf.cast(now_overflowed, tf.int64)))
 
 
-def refusal_templates(names, members):
-    """The messages of a refused step of the members `names` (a string),
-    whose group's members are `members` (`(name, bit)` pairs), with `{}`
-    for the values (`tf.strings.format`): (a repeated step: stepped; a
-    damaged state: stepped, overflowed)."""
-    bits = ", ".join(f"{name} (bit {bit})" for name, bit in members)
+def refusal_templates(bits, members):
+    """The messages of a refused step of the members `bits`, with `{}` for
+    the values (`tf.strings.format`): (a repeated step: stepped; a damaged
+    state: stepped, overflowed). `members`: `(name, bit)` of each member."""
+    names = ", ".join(name for name, bit in members if bits & bit)
+    listed = ", ".join(f"{name} (bit {bit})" for name, bit in members)
     repeated = (
         f"tf_lossscale: {names} stepped twice in one iteration of its "
-        f"LossScaleGroup, whose optimizers are {bits}; the bits of those "
+        f"LossScaleGroup, whose optimizers are {listed}; the bits of those "
         "that stepped in this iteration: {}. An iteration ends when every "
         "optimizer has stepped once: is one of them never used, or used "
         "in other iterations only? For schedules where the optimizers do "
@@ -85,6 +85,17 @@ def refusal_templates(names, members):
     invalid = (
         f"tf_lossscale: the LossScaleGroup of {names} holds a state that "
         f"cannot be right (restored from a file, or assigned?): "
-        f"{STEPPED}={{}} (its optimizers: {bits}), {OVERFLOWED}={{}} "
+        f"{STEPPED}={{}} (its optimizers: {listed}), {OVERFLOWED}={{}} "
         "(0 or 1). The step was refused; nothing was changed.")
     return repeated, invalid
+
+
+def refusal_message(members, bits, stepped, overflowed):
+    """The message of a refused step, formatted on the host as the step
+    formats it (for one recorded under XLA)."""
+    repeated, invalid = refusal_templates(bits, members)
+    if stepped & bits:
+        return failure_policy.format_like_the_step(
+            repeated, ((stepped, tf.int64),))
+    return failure_policy.format_like_the_step(
+        invalid, ((stepped, tf.int64), (overflowed, tf.int64)))

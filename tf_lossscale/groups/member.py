@@ -1,9 +1,15 @@
-"""`GroupMember`: one optimizer's share of a `LossScaleGroup`."""
+"""`GroupMember`: one optimizer's share of a `LossScaleGroup`, and joining."""
 
 import weakref
 
 from tf_lossscale._internal import private_api
 from tf_lossscale.loss_scales import loss_scale as loss_scale_lib
+from tf_lossscale.ops import replicas
+
+# Members are bits of an int64; the sign bit stays clear.
+MAX_MEMBERS = 62
+# No optimizer has joined yet, so none has told the strategy.
+UNSET = object()
 
 
 def underlying(loss_scale):
@@ -11,6 +17,69 @@ def underlying(loss_scale):
     if isinstance(loss_scale, GroupMember):
         return loss_scale.group.loss_scale
     return loss_scale
+
+
+class Membership:
+    """Mixin of `LossScaleGroup`: its members, and joining it. The group
+    sets `_strategy`, `_member_strategy` (`UNSET`), `_members` (a list)
+    and `_members_mask` (None until the first step)."""
+
+    @property
+    def members(self):
+        """The `GroupMember` of each optimizer that joined, in joining order."""
+        return [member for member in (ref() for ref in self._members)
+                if member is not None]
+
+    def check_joinable(self):
+        """Raises ValueError, changing nothing, unless an optimizer made now
+        (under the current strategy) can join."""
+        if self._members_mask is not None:
+            names = ", ".join(m.name for m in self.members) or (
+                "none left (was each one discarded after its step was built?)")
+            raise ValueError(
+                "This LossScaleGroup has stepped already, with the optimizers "
+                f"{names}: every optimizer must join before the first step "
+                "(make them all, then train)")
+        if len(self._members) >= MAX_MEMBERS:
+            raise ValueError("A LossScaleGroup takes at most "
+                             f"{MAX_MEMBERS} optimizers")
+        current = replicas.strategy_in_use()
+        expected = (self._strategy if self._strategy is not None
+                    else self._member_strategy)
+        if expected is not UNSET and current is not expected:
+            def where(strategy):
+                return ("outside any strategy" if strategy is None
+                        else f"under {type(strategy).__name__} "
+                        f"{id(strategy):#x}")
+            which = "was made" if self._strategy is not None else (
+                "has optimizers made")
+            raise ValueError(
+                f"This LossScaleGroup {which} {where(expected)}, but an "
+                f"optimizer joins it {where(current)}: a group's optimizers "
+                "live under one strategy (make the group and every optimizer "
+                "under the same strategy's scope())")
+
+    def join(self, owner=None):
+        """Returns a new `GroupMember` for `owner` (an optimizer wrapper,
+        held weakly, which names it in messages). Wrappers call it when
+        given the group; call it yourself for your own loop's loss scale."""
+        self.check_joinable()
+        if self._strategy is None and self._member_strategy is UNSET:
+            self._member_strategy = replicas.strategy_in_use()
+        member = GroupMember(self, len(self._members), owner)
+        self._members.append(weakref.ref(member))
+        return member
+
+    def _members_bits(self):
+        """The bits of the members, fixed at the first step (members whose
+        optimizer is gone by then do not count)."""
+        if self._members_mask is None:
+            self._members_mask = sum(1 << m.index for m in self.members)
+        return self._members_mask
+
+    def _named_bits(self):
+        """`(name, bit)` of each member, for messages."""
+        return [(m.name, 1 << m.index) for m in self.members]
 
 
 class GroupMember(loss_scale_lib.LossScale):
