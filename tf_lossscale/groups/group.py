@@ -1,15 +1,10 @@
 """`LossScaleGroup`: one loss scale for several optimizers, one step of it per
 training iteration.
 
-An optimizer joins a group by taking it as its `loss_scale`, and holds a
-`GroupMember`, whose `update` is that optimizer's step (`iteration` is the
-rule of those steps). A refused step raises eagerly, is an assertion in
-graphs, and under XLA is written in the loss scale's record
-(`xla_record.REFUSED`). A member applies iff its own gradients are finite
-(`skip="each"`), or iff every gradient of the iteration is (`skip="together"`,
-whose members step inside `group.iteration()`, at its end). A fixed loss scale
-never moves: its group keeps no iteration state, and a member skips as the
-fixed scale says. The why and the how: docs/guides/several-optimizers.md.
+Each optimizer given the group holds a `GroupMember` (`member`); the rule of
+their steps is `iteration`'s. A refused step raises eagerly, is an assertion
+in graphs, and under XLA is written in the loss scale's record. The why and
+the how: docs/guides/several-optimizers.md.
 """
 
 import contextlib
