@@ -48,7 +48,7 @@ from tf_lossscale.keras3.loss_scale_optimizer import LossScaleOptimizer
 from tf_lossscale.loss_scales import DynamicLossScale
 from tf_lossscale.loss_scales import FixedLossScale
 from tf_lossscale.loss_scales import LossScale
-from tf_lossscale.loss_scales import LossScaleGroup
+from tf_lossscale.groups import LossScaleGroup
 from tf_lossscale.loss_scales import deserialize
 from tf_lossscale.loss_scales import get
 from tf_lossscale.loss_scales import serialize

@@ -18,7 +18,7 @@ import tensorflow as tf
 import tf_lossscale
 from tests.helpers import reference_oracle
 from tests.helpers import training
-from tf_lossscale.loss_scales import group as group_lib
+from tf_lossscale.groups import iteration
 
 _SEED = 42
 _NAN = float("nan")
@@ -267,4 +267,4 @@ def test_checkpoints_of_a_member_hold_the_shared_state_bit_for_bit(tmp_path):
     names = [name for name, _ in tf.train.list_variables(path)]
     assert any(re.search(r"optimizer_loss_scale/current_loss_scale", n)
                for n in names), names
-    assert any(group_lib.STEPPED in n for n in names), names
+    assert any(iteration.STEPPED in n for n in names), names

@@ -9,7 +9,7 @@ from tf_lossscale._internal import checks
 from tf_lossscale._internal import private_api
 from tf_lossscale.keras3 import loss_scale_optimizer
 from tf_lossscale.layerwise import model as layerwise_model
-from tf_lossscale.loss_scales import group as group_lib
+from tf_lossscale import groups as group_lib
 
 
 def carry_on(report, model, scale=None, also=(), optimizers=None,

@@ -57,43 +57,34 @@ class DynamicLossScale(loss_scale.LossScale):
     raises ValueError anywhere else. Created outside any scope, it holds
     plain variables and works with or without a strategy.
 
-    Args:
-      initial_loss_scale: the starting scale, a Python number > 0 that fits in
-        float32. Start high (the default, 2**15, is about half the float16
-        maximum): a scale that is too high comes down in a few steps, one
-        that is too low takes `increment_period` steps per doubling.
-      increment_period: grow the scale after this many consecutive finite
-        steps; a positive int (a whole float such as 2.0 is taken).
-      multiplier: the factor to grow by and, unless `backoff_factor` is
-        given, to divide by on a back-off; a finite Python number > 1.
-      backoff_factor: keyword-only; the factor a back-off multiplies the
-        scale by, in (0, 1). None (the default) divides by `multiplier`.
-      min_loss_scale: keyword-only; the floor no back-off goes below, a
-        finite number > 0 (below 1 is allowed, for models whose float16 loss
-        overflows even at scale 1). Default 1.0. An explicit floor above
-        `initial_loss_scale` is a ValueError; with the default floor an
-        initial scale below 1 backs off to 1, as in TensorFlow.
-      max_loss_scale: keyword-only; a ceiling growth is clamped to, >=
-        `initial_loss_scale` and >= `min_loss_scale`. None (the default):
-        growth only stops where the scale would overflow float32.
-      hysteresis: keyword-only; how many non-finite steps it takes to back
-        off, a positive int. Every non-finite step is skipped; the scale
-        only backs off once this budget is used up. 1 (the default) backs
-        off on every non-finite step, as TensorFlow does.
-      consecutive_hysteresis: keyword-only bool. False (the default): the
-        hysteresis budget is refilled only when the growth period completes.
-        True: every finite step refills it, so only that many non-finite
-        steps *in a row* back off.
-      on_min_loss_scale: keyword-only; what happens when a back-off is due
-        while the scale is already at `min_loss_scale`: "continue" (the
-        default: stay at the floor and skip the step), "warn" (the same,
-        plus one line starting "tf_lossscale WARNING:" on stderr each time,
-        also inside `tf.function` and `fit`) or "raise" (the step is skipped
-        and recorded, then fails with `tf.errors.InvalidArgumentError`
-        naming the floor, the scale and the count of steps skipped in a row).
+    Args (what each does, and why: docs/guides/tuning.md):
+      initial_loss_scale: the starting scale, a number > 0 that fits in
+        float32; default 2**15.
+      increment_period: grow after this many consecutive finite steps; a
+        positive int (a whole float such as 2.0 is taken).
+      multiplier: the growth factor and, without `backoff_factor`, the
+        back-off's divisor; a finite number > 1.
+      backoff_factor: keyword-only; the back-off's factor, in (0, 1); None
+        (the default) divides by `multiplier`.
+      min_loss_scale: keyword-only; the floor of back-offs, a finite number
+        > 0, default 1.0. An explicit floor above `initial_loss_scale` is a
+        ValueError; with the default one an initial scale below 1 backs off
+        to 1, as in TensorFlow.
+      max_loss_scale: keyword-only; the ceiling growth is clamped to, >=
+        `initial_loss_scale` and `min_loss_scale`; None (the default): only
+        float32's overflow stops growth.
+      hysteresis: keyword-only; the non-finite steps (each skipped) it takes
+        to back off, a positive int; 1 (the default) as TensorFlow.
+      consecutive_hysteresis: keyword-only bool; True: every finite step
+        refills the hysteresis budget; False (the default): a growth does.
+      on_min_loss_scale: keyword-only; a back-off due at `min_loss_scale`:
+        "continue" (the default: stay and skip the step), "warn" (the same,
+        and a "tf_lossscale WARNING:" line on stderr each time, in
+        `tf.function` and `fit` too) or "raise" (the step is skipped, then
+        fails with `tf.errors.InvalidArgumentError` naming the floor, the
+        scale and the steps skipped in a row).
       max_consecutive_skips: keyword-only; None (the default) or a positive
-        int: when this many steps in a row were non-finite, the step fails
-        like "raise", naming the count and the scale.
+        int: that many non-finite steps in a row fail like "raise".
 
     Raises:
       TypeError: an argument is a bool where a number is expected, or of the
@@ -126,15 +117,12 @@ class DynamicLossScale(loss_scale.LossScale):
             "current_loss_scale", arguments.initial_loss_scale, tf.float32)
         self._good_steps = self._add_state_variable(
             "good_steps", 0, tf.int64)
-        self._hysteresis_remaining = None
         if rule.hysteresis > 1:
-            self._hysteresis_remaining = self._add_state_variable(
+            self._add_state_variable(
                 "hysteresis_remaining", rule.hysteresis, tf.int64)
-        self._consecutive_skips = None
         if failure_policy.needs_host(arguments.on_min_loss_scale,
                                      arguments.max_consecutive_skips):
-            self._consecutive_skips = self._add_state_variable(
-                "consecutive_skips", 0, tf.int64)
+            self._add_state_variable("consecutive_skips", 0, tf.int64)
         # Not state: never saved.
         self._xla_record = xla_record.StepRecord(
             self._state_variables, rule.min_loss_scale, rule.hysteresis,
@@ -223,8 +211,9 @@ class DynamicLossScale(loss_scale.LossScale):
         return update_op, should_apply
 
     def _state_variables_in_order(self):
-        return (self._current_loss_scale, self._good_steps,
-                self._hysteresis_remaining, self._consecutive_skips)
+        """S, G, H and C (None for one not tracked)."""
+        return [self._state_variables.get(name)
+                for name in failure_policy.FIELDS]
 
     def _assign_state(self, new_state):
         assignments = [

@@ -180,17 +180,17 @@ def limit_template(limit):
 
 
 def apply_policy(new_state, at_floor, floor, policy, limit):
-    """The warning or failures due after a step (not under XLA); ops in
-    graphs, [] eagerly (where they have already raised or printed)."""
+    """The warning or failures due after a step (not under XLA): the ops to
+    wait on in graphs; eagerly they have raised or printed already."""
     scale, skips = new_state.scale, new_state.consecutive_skips
     ops = []
     if policy != "continue":
-        act = _warn_if if policy == "warn" else _fail_if
+        act = _warn_if if policy == "warn" else fail_if
         ops += ops_of(act(at_floor, floor_template(floor, policy),
                           (scale, skips)))
     if limit is not None:
         with tf.control_dependencies(ops):
-            ops += ops_of(_fail_if(skips >= limit, limit_template(limit),
+            ops += ops_of(fail_if(skips >= limit, limit_template(limit),
                                    (skips, scale)))
     return ops
 
@@ -200,7 +200,7 @@ def ops_of(op):
     return [] if op is None else [op]
 
 
-def _fail_if(condition, template, values):
+def fail_if(condition, template, values):
     """Fails the step with `template` formatted with `values` if `condition`.
 
     Eagerly it raises; in graphs it returns the assertion op.
@@ -218,7 +218,8 @@ def _warn_if(condition, template, values):
     """Prints `template` formatted with `values` to stderr if `condition`.
 
     tf.print, not Python logging: it prints from inside graphs too, every
-    time the step runs, whatever TF_CPP_MIN_LOG_LEVEL says.
+    time the step runs, whatever TF_CPP_MIN_LOG_LEVEL says. Eagerly it has
+    printed when it returns.
     """
 
     def warn():
@@ -227,10 +228,6 @@ def _warn_if(condition, template, values):
                 output_stream=sys.stderr)]):
             return tf.constant(True)
 
-    if tf.executing_eagerly():
-        if bool(condition):
-            warn()
-        return None
     return tf.cond(condition, warn, lambda: tf.constant(False))
 
 

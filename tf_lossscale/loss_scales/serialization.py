@@ -2,9 +2,11 @@
 
 The serialized form is the one Keras wrote for loss scales in TF 2.1-2.3,
 ``{"class_name": "DynamicLossScale", "config": {...}}``, so configs saved then
-load unchanged. A `LossScaleGroup` (and a member's) is
-``{"class_name": "LossScaleGroup", "config": {"loss_scale": {...}, "skip": ...}}``. The keys `module` and `registered_name` that Keras 3 adds to
-serialized objects are accepted and ignored.
+load unchanged. Classes a floor up register here (`register`): a
+`LossScaleGroup`, and its members, serialize as
+``{"class_name": "LossScaleGroup", "config": {"loss_scale": {...}, ...}}``.
+The keys `module` and `registered_name` that Keras 3 adds to serialized
+objects are accepted and ignored.
 """
 
 import collections.abc
@@ -14,7 +16,6 @@ import numbers
 import numpy as np
 
 from tf_lossscale.loss_scales import dynamic_loss_scale
-from tf_lossscale.loss_scales import group as group_lib
 from tf_lossscale.loss_scales import loss_scale as loss_scale_lib
 from tf_lossscale._internal import checks
 
@@ -24,17 +25,30 @@ _BUILT_IN = {
                 dynamic_loss_scale.DynamicLossScale)
 }
 _IGNORED_KEYS = frozenset({"module", "registered_name"})
-_GROUP = "LossScaleGroup"
+# Classes that are no loss scales but serialize as ones, by class name.
+_REGISTERED = {}
+
+
+def register(cls):
+    """Class decorator: `serialize`, `deserialize` and `get` take `cls` (a
+    `LossScaleGroup`, which lives a floor up) as they take loss scales. A
+    loss scale whose `group` is a `cls` serializes as that group; configs
+    load with `cls.from_config(config, custom_objects)`."""
+    _REGISTERED[cls.__name__] = cls
+    return cls
+
+
+def _serializable():
+    return (loss_scale_lib.LossScale, *_REGISTERED.values())
 
 
 def serialize(loss_scale):
     """Returns a JSON-able dict `{"class_name": ..., "config": {...}}`; for
     a `LossScaleGroup` or one of its members, the group's."""
-    if isinstance(loss_scale, group_lib.GroupMember):
-        loss_scale = loss_scale.group
-    if isinstance(loss_scale, group_lib.LossScaleGroup):
-        return {"class_name": _GROUP, "config": loss_scale.get_config()}
-    if not isinstance(loss_scale, loss_scale_lib.LossScale):
+    group = getattr(loss_scale, "group", None)
+    if isinstance(group, tuple(_REGISTERED.values())):
+        loss_scale = group
+    if not isinstance(loss_scale, _serializable()):
         raise TypeError(
             "loss_scale must be a tf_lossscale.LossScale, got "
             f"{checks.summary(loss_scale)}")
@@ -81,8 +95,9 @@ def deserialize(config, custom_objects=None):
         raise TypeError(
             "custom_objects must be a dict mapping class names to LossScale "
             f"subclasses, got {checks.summary(custom_objects)}")
-    if class_name == _GROUP:
-        return _deserialize_group(config["config"], custom_objects)
+    if class_name in _REGISTERED:
+        return _REGISTERED[class_name].from_config(config["config"],
+                                                   custom_objects)
     classes = {**_BUILT_IN, **{key: value for key, value in
                                custom_objects.items() if isinstance(key, str)}}
     if class_name not in classes:
@@ -114,25 +129,6 @@ def deserialize(config, custom_objects=None):
     return cls.from_config(arguments)
 
 
-def _deserialize_group(arguments, custom_objects):
-    """A new `LossScaleGroup` (with no member yet) from its config."""
-    if not isinstance(arguments, dict):
-        raise TypeError(
-            "config['config'] of a LossScaleGroup must be a dict like "
-            "{'loss_scale': {...}, 'skip': 'each'}, got "
-            f"{checks.summary(arguments)}")
-    unknown = [key for key in arguments if key not in ("loss_scale", "skip")]
-    if unknown or "loss_scale" not in arguments:
-        raise ValueError(
-            "config['config'] of a LossScaleGroup takes the keys "
-            f"'loss_scale' (required) and 'skip', got the keys "
-            f"{checks.summary(list(arguments))}")
-    return group_lib.LossScaleGroup(
-        deserialize(arguments["loss_scale"], custom_objects),
-        **{key: value for key, value in arguments.items()
-           if key == "skip"})
-
-
 def get_argument(name, identifier):
     """`get(identifier)` for the argument `name` of a caller (an optimizer's
     `loss_scale`), whose errors say which argument was refused: a config's
@@ -159,8 +155,7 @@ def get(identifier):
       ValueError: anything else (a bool, another string, a list, ...).
       TypeError, ValueError: as `deserialize`, for a malformed dict.
     """
-    if identifier is None or isinstance(
-            identifier, (loss_scale_lib.LossScale, group_lib.LossScaleGroup)):
+    if identifier is None or isinstance(identifier, _serializable()):
         return identifier
     if isinstance(identifier, (bool, np.bool_)):
         raise ValueError(

@@ -135,77 +135,60 @@ class StepRecord:
                 "tf_lossscale: a DynamicLossScale made in a TF1 graph cannot "
                 "run in an XLA-compiled step; compile the step without XLA.")
         self.check_watched()
-        self.traced = True
-        record = tf.convert_to_tensor(self.variable)
         # A step after a failure, or on a state that cannot be right, changes
-        # nothing: the host has not raised yet.
-        proceed = tf.logical_and(valid, tf.equal(record[_CODE], NONE))
+        # nothing: the host has not raised yet. A refusal keeps the bad state.
+        refused, proceed = self.refuse(tf.logical_not(valid), _values(state),
+                                       INVALID)
         new_state, at_floor = next_state(state, all_finite)
         kept = type(state)(*(
             None if old is None else tf.where(proceed, new, old)
             for old, new in zip(state, new_state)))
-        assignments = assign(kept)
+        with tf.control_dependencies([refused]):
+            assignments = assign(kept)
+            record = tf.convert_to_tensor(self.variable)
         at_floor = tf.logical_and(proceed, at_floor)
-        new_record = self._next_record(record, state, kept, proceed,
-                                       at_floor)
+        skips = kept.consecutive_skips
+        if skips is None:  # Only "continue" without a limit lacks C.
+            skips = tf.zeros([], tf.int64)
+        code = tf.constant(NONE, tf.int64)
+        if self.limit is not None:
+            code = tf.where(tf.logical_and(proceed, skips >= self.limit),
+                            tf.constant(TOO_MANY_SKIPS, tf.int64), code)
+        if self.policy == "raise":  # Wins over the limit, as without XLA.
+            code = tf.where(at_floor, tf.constant(AT_FLOOR, tf.int64), code)
+        # A new failure records the values after the step; an earlier one, or
+        # a refusal, keeps its own.
+        failed = tf.not_equal(code, NONE)
+        head = tf.where(failed, tf.stack([code, *_values(kept)]),
+                        record[:_WARNINGS])
+        warns = at_floor if self.policy == "warn" else tf.constant(False)
+        warning = tf.where(
+            warns, tf.stack([record[_WARNINGS] + 1, _bits(kept.scale), skips]),
+            record[_WARNINGS:])
         with tf.control_dependencies(assignments):
-            written = self.variable.assign(new_record)
+            written = self.variable.assign(tf.concat([head, warning], axis=0))
         with tf.control_dependencies(assignments + [written]):
             should_apply = tf.logical_and(
-                tf.logical_and(all_finite, proceed),
-                tf.equal(new_record[_CODE], NONE))
-        return tf.group(assignments + [written]), should_apply
+                tf.logical_and(all_finite, proceed), tf.logical_not(failed))
+        return tf.group(assignments + [refused, written]), should_apply
 
-    def refuse(self, refused, values):
-        """Records, under XLA, a step its caller refuses before the loss
-        scale moves: `refused` (a bool tensor) writes REFUSED and `values`
-        (up to four int tensors, for `refusal_message`) unless a failure is
-        recorded already. Returns `(op, proceed)`: proceed is False when the
-        step is refused now or halted by an earlier failure."""
+    def refuse(self, refused, values, code=REFUSED):
+        """Records, under XLA, a step refused before the loss scale moves:
+        `refused` (a bool tensor) writes `code` (REFUSED: by the caller, for
+        `refusal_message`) and `values` (up to four int tensors) unless a
+        failure is recorded already. Returns `(op, proceed)`: proceed is
+        False when the step is refused now or halted by an earlier failure."""
         self.traced = True
         record = tf.convert_to_tensor(self.variable)
         clear = tf.equal(record[_CODE], NONE)
         values = [tf.cast(value, tf.int64) for value in values]
         values += [tf.zeros([], tf.int64)] * (_SKIPS - _CODE - len(values))
         refused_record = tf.concat(
-            [tf.constant([REFUSED], tf.int64), tf.stack(values),
+            [tf.constant([code], tf.int64), tf.stack(values),
              record[_WARNINGS:]], axis=0)
         written = self.variable.assign(tf.where(
             tf.logical_and(clear, refused), refused_record, record))
         return written, tf.logical_and(clear, tf.logical_not(refused))
-
-    def _next_record(self, record, state, new_state, proceed, at_floor):
-        """The record after this step (int64 vector)."""
-        skips = new_state.consecutive_skips
-        if skips is None:  # Only "continue" without a limit lacks C.
-            skips = tf.zeros([], tf.int64)
-        code = self._failure_code(record[_CODE], proceed, at_floor, skips)
-        # A refusal keeps the bad state; a new failure the values after the
-        # step; an earlier failure its own values.
-        refused_now = tf.logical_and(tf.equal(record[_CODE], NONE),
-                                     tf.logical_not(proceed))
-        failed_now = tf.logical_and(proceed, tf.not_equal(code, NONE))
-        values = tf.where(
-            refused_now, _values(state),
-            tf.where(failed_now, _values(new_state), record[_SCALE:_SKIPS + 1]))
-        warns = at_floor if self.policy == "warn" else tf.constant(False)
-        warning = tf.where(
-            warns,
-            tf.stack([record[_WARNINGS] + 1, _bits(new_state.scale), skips]),
-            record[_WARNINGS:])
-        return tf.concat([code[None], values, warning], axis=0)
-
-    def _failure_code(self, code, proceed, at_floor, skips):
-        """The failure code after this step; an earlier one stays."""
-        code = tf.where(tf.logical_and(tf.equal(code, NONE),
-                                       tf.logical_not(proceed)),
-                        tf.constant(INVALID, tf.int64), code)
-        if self.limit is not None:
-            code = tf.where(tf.logical_and(proceed, skips >= self.limit),
-                            tf.constant(TOO_MANY_SKIPS, tf.int64), code)
-        if self.policy == "raise":  # Wins over the limit, as without XLA.
-            code = tf.where(at_floor, tf.constant(AT_FLOOR, tf.int64), code)
-        return code
 
     def halted(self):
         """Whether the step just updated must neither apply nor be recorded
@@ -234,9 +217,9 @@ class StepRecord:
 
 def _values(state):
     """S's bits, G, H, C of a `DynamicState` (0 for an untracked one)."""
-    return tf.stack([_bits(state.scale)] + [
+    return [_bits(state.scale)] + [
         tf.cast(0 if value is None else value, tf.int64)
-        for value in state[1:]])
+        for value in state[1:]]
 
 
 def record_of(target):

@@ -6,7 +6,7 @@ import keras
 
 from tf_lossscale._internal import checks
 from tf_lossscale._internal import versions
-from tf_lossscale.loss_scales import group as group_lib
+from tf_lossscale import groups as group_lib
 from tf_lossscale.monitor import gradient_stats
 from tf_lossscale.monitor import xla_callback
 from tf_lossscale.ops import float16

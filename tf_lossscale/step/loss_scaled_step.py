@@ -28,7 +28,7 @@ from typing import Callable, NamedTuple
 import tensorflow as tf
 
 from tf_lossscale._internal import checks
-from tf_lossscale.loss_scales import group as group_lib
+from tf_lossscale import groups as group_lib
 from tf_lossscale.loss_scales import xla_record
 from tf_lossscale.ops import finiteness
 from tf_lossscale.ops import float16

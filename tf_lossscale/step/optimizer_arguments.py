@@ -13,7 +13,7 @@ import warnings
 
 from tf_lossscale._internal import checks
 from tf_lossscale.loss_scales import dynamic_loss_scale
-from tf_lossscale.loss_scales import group as group_lib
+from tf_lossscale import groups as group_lib
 from tf_lossscale.loss_scales import loss_scale as loss_scale_lib
 from tf_lossscale.loss_scales import serialization
 

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from tf_lossscale._internal import checks
 from tf_lossscale.loss_scales import dynamic_loss_scale
-from tf_lossscale.loss_scales import group as group_lib
+from tf_lossscale import groups as group_lib
 from tf_lossscale.loss_scales import serialization
 from tf_lossscale.ops import finiteness
 from tf_lossscale.ops import unscaling

@@ -14,7 +14,7 @@ from tf_lossscale import layerwise
 from tf_lossscale.diagnosis import advice
 from tf_lossscale.diagnosis import carry_on as carry_on_lib
 from tf_lossscale.diagnosis import text
-from tf_lossscale.loss_scales import group as group_lib
+from tf_lossscale import groups as group_lib
 from tf_lossscale.ops import float16
 from tf_lossscale.step import optimizer_protocol
 

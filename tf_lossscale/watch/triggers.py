@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from tf_lossscale._internal import checks
-from tf_lossscale.loss_scales import group as group_lib
+from tf_lossscale import groups as group_lib
 
 
 class Triggers:
