@@ -1,12 +1,9 @@
 """`LayerwiseModel`: a functional model cut into segments, each backward pass
 at its own gradient scale, with the factors among its weights.
 
-It owns the factor rule's state (three vectors, one element per segment
-below the top: `gradient_factors`, `gradient_margins`,
-`gradient_good_steps`), saved with its weights in `.keras` files and
-checkpoints; binds its `GradientScaling` layers to them; and, when compiled,
-attaches a `step.SegmentedStep` to its `LossScaleOptimizer`, which then
-unscales and checks each segment on its own.
+It owns the factor rule's state (saved with its weights), binds its
+`GradientScaling` layers to it, and when compiled attaches a
+`step.SegmentedStep` to its `LossScaleOptimizer`.
 """
 
 import keras

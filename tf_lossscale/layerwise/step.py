@@ -1,14 +1,11 @@
 """A loss-scaled step over segments: what a `LossScaleOptimizer` runs once a
 `LayerwiseModel` is compiled with it.
 
-`SegmentedStep.step` gives the optimizer's apply three replacements for one
-step: the `StepParts` (unscale each gradient by S * F of its segment; check
-each segment's gradients, summed over the replicas: every replica reads
-the same figures, with no collective of their own), a loss
-scale for the step core that updates S and the factors from them
-(`rule.next_factor_state`), and the opted-in gradient statistics at each
-gradient's own scale. Everything else is `loss_scaled_step`'s: the skip, its
-record, S's failure policy and its XLA record.
+`SegmentedStep.step` replaces three things of `loss_scaled_step`'s: the
+`StepParts` (unscale each gradient by its segment's S * F; the per-segment
+figures of the summed gradients), the loss scale (S and the factors, moved by
+`rule.next_factor_state`) and the opted-in gradient statistics (each gradient
+at its own scale). The skip, its record and S's policies stay the core's.
 """
 
 import collections
