@@ -8,7 +8,6 @@ figures of the summed gradients), the loss scale (S and the factors, moved by
 at its own scale). The skip, its record and S's policies stay the core's.
 """
 
-import collections
 import math
 
 import tensorflow as tf
@@ -67,13 +66,6 @@ class SegmentedStep:
                                 self.top), parts, stats
 
 
-def _by_segment(segments):
-    groups = collections.defaultdict(list)
-    for index, segment in enumerate(segments):
-        groups[segment].append(index)
-    return groups
-
-
 def _unscale(grads, variables, scale, segments, factors, top):
     """`grads / (S * F)`, each by its segment's factor; Keras' float8
     variables keep their gradient as computed."""
@@ -81,7 +73,8 @@ def _unscale(grads, variables, scale, segments, factors, top):
     scale = tf.cast(scale, tf.float32)
     # Every lower segment's S * F in one multiply; the top's is S.
     divisors = tf.unstack(scale * factors, num=top) + [scale]
-    for segment, indices in _by_segment(segments).items():
+    for segment in dict.fromkeys(segments):  # In order of appearance.
+        indices = [i for i, s in enumerate(segments) if s == segment]
         for index, grad in zip(indices, loss_scaled_step.unscale_for_apply(
                 [grads[i] for i in indices], [variables[i] for i in indices],
                 divisors[segment])):
