@@ -55,14 +55,13 @@ class LayerwiseModel(keras.Model):
         # The tuple is no state of its own.
         object.__setattr__(self, "_factor_state", rule_lib.FactorState(*(
             getattr(self, f"_{name}") for name, _, _ in _STATE)))
-        pairs = sorted({(layer.producer, layer.consumer)
-                        for layer in self.layers
-                        if isinstance(layer, boundary.GradientScaling)})
-        object.__setattr__(self, "_boundary_pairs", pairs)
+        boundaries = [layer for layer in self.layers
+                      if isinstance(layer, boundary.GradientScaling)]
+        object.__setattr__(self, "_boundary_pairs", sorted(
+            {(layer.producer, layer.consumer) for layer in boundaries}))
         object.__setattr__(self, "_ratios", None)
-        for layer in self.layers:
-            if isinstance(layer, boundary.GradientScaling):
-                layer.bind(self._ratio)
+        for layer in boundaries:
+            layer.bind(self._ratio)
 
     def _boundary_ratios(self):
         """`{(producer, consumer): F_producer / F_consumer}` for every

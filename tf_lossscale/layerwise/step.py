@@ -9,6 +9,7 @@ at its own scale). The skip, its record and S's policies stay the core's.
 """
 
 import math
+from typing import NamedTuple
 
 import tensorflow as tf
 
@@ -172,24 +173,22 @@ class _SegmentedUpdate:
                         + assignments), should_apply
 
 
-class _SegmentStats:
+class _SegmentStats(NamedTuple):
     """`LossScaleMonitor(gradient_stats=True)`'s statistics of a segmented
     step: each gradient measured at its own scale S * F."""
-
-    def __init__(self, selection, segments, factors, top):
-        self._selection = selection
-        self._segments = segments
-        self._factors = factors
-        self._top = top
+    selection: object  # The step's `gradient_stats` selection.
+    segments: list
+    factors: tf.Tensor
+    top: int
 
     def measure(self, grads, loss_scale):
         """Replica context: `gradient_stats`' measure, each gradient at its
         own scale."""
-        factors = tf.unstack(self._factors, num=self._top)
-        return self._selection.measure(
-            [g if g is None or s == self._top
+        factors = tf.unstack(self.factors, num=self.top)
+        return self.selection.measure(
+            [g if g is None or s == self.top
              else g * tf.cast(factors[s], g.dtype)
-             for g, s in zip(grads, self._segments)], loss_scale)
+             for g, s in zip(grads, self.segments)], loss_scale)
 
     def write(self, summed):
-        return self._selection.write(summed)
+        return self.selection.write(summed)

@@ -77,31 +77,20 @@ FULL_STEP = StepParts(unscale=unscale_for_apply,
                       agree=replicas.from_summed)
 
 
-class SkipRecord:
+class SkipRecord(NamedTuple):
     """What a skipped step writes: one more skipped step, and a flag per
     variable (1 where its gradient, summed over the replicas, held NaN or
-    +-Inf: where it did on any replica, or the sum overflowed).
-
-    Args:
-      skipped_steps: a scalar int64 variable.
-      nonfinite_flags: an int32 vector variable, one flag per position, or
-        None to record only the count.
-      positions: maps the step's variables to their positions in
-        `nonfinite_flags` (a callable taking the list of variables).
-    """
-
-    def __init__(self, skipped_steps, nonfinite_flags=None, positions=None):
-        self.skipped_steps = skipped_steps
-        self.nonfinite_flags = nonfinite_flags
-        self.positions = positions
+    +-Inf: where it did on any replica, or the sum overflowed)."""
+    skipped_steps: object  # A scalar int64 variable.
+    nonfinite_flags: object  # An int32 vector variable, a flag a position.
+    # Maps the list of the step's variables to their positions in it.
+    positions: Callable
 
     def write(self, grads, variables, each_any):
         """Cross-replica context: records one skipped step; `each_any` is
         the step's `StepParts.each_any`."""
         # Keras variables' assign methods take no `read_value`.
         ops = [self.skipped_steps.assign_add(1)]
-        if self.nonfinite_flags is None:
-            return ops
         positions = self.positions(variables)
         size = self.nonfinite_flags.shape[0]
 
