@@ -265,9 +265,10 @@ class DeferredStep(NamedTuple):
         # as the error would have stopped it without XLA; the host raises
         # after the call, or later (tf_lossscale.loss_scales.xla_checks).
         record = xla_record.record_of(self.member)
-        if record is not None and xla_record.in_xla_context():
-            skip = functools.partial(tf.cond, record.halted(),
-                                     lambda: _done([]), skip)
+        halted = (record.halted() if record is not None
+                  and xla_record.in_xla_context() else None)
+        if halted is not None:  # None: a record that halts nothing.
+            skip = functools.partial(tf.cond, halted, lambda: _done([]), skip)
         if isinstance(should_apply, bool):
             return apply_in_every_replica() if should_apply else skip()
         return tf.cond(should_apply, apply_in_every_replica, skip)
