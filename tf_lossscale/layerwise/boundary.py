@@ -1,12 +1,5 @@
-"""`GradientScaling`: the layer at a segment boundary of a scaled model.
-
-Forward it is the identity. Backward it multiplies the gradient coming down
-from segment `consumer` by F_producer / F_consumer, in float32, before the
-gradient enters segment `producer`: so each segment's backward pass runs at
-its own scale S * F. It computes in the wider of the two sides' dtypes, so
-that a gradient leaving a float32 layer is rescaled before it is rounded to
-float16, not after.
-"""
+"""`GradientScaling`: the layer at a segment boundary of a scaled model
+(docs/guides/per-layer-scaling.md, "What it does")."""
 
 import keras
 import tensorflow as tf
@@ -30,7 +23,8 @@ def _rescaled_backward(x, ratio):
 
 @keras.saving.register_keras_serializable(package="tf_lossscale")
 class GradientScaling(keras.layers.Layer):
-    """Identity forward; backward, the gradient times F_producer / F_consumer.
+    """Identity forward; backward, the gradient times F_producer / F_consumer
+    (in float32, before the layer's dtype rounds it).
 
     Made by `tf_lossscale.layerwise.scale_per_layer`, which puts one on every
     edge of the model's graph between two segments; the ratio is the

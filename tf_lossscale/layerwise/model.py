@@ -1,12 +1,9 @@
 """`LayerwiseModel`: a functional model cut into segments, each backward pass
 at its own gradient scale, with the factors among its weights.
 
-It owns the factor rule's state (three vectors, one element per segment
-below the top: `gradient_factors`, `gradient_margins`,
-`gradient_good_steps`), saved with its weights in `.keras` files and
-checkpoints; binds its `GradientScaling` layers to them; and, when compiled,
-attaches a `step.SegmentedStep` to its `LossScaleOptimizer`, which then
-unscales and checks each segment on its own.
+It owns the factor rule's state (saved with its weights), binds its
+`GradientScaling` layers to it, and when compiled attaches a
+`step.SegmentedStep` to its `LossScaleOptimizer`.
 """
 
 import keras
@@ -58,14 +55,13 @@ class LayerwiseModel(keras.Model):
         # The tuple is no state of its own.
         object.__setattr__(self, "_factor_state", rule_lib.FactorState(*(
             getattr(self, f"_{name}") for name, _, _ in _STATE)))
-        pairs = sorted({(layer.producer, layer.consumer)
-                        for layer in self.layers
-                        if isinstance(layer, boundary.GradientScaling)})
-        object.__setattr__(self, "_boundary_pairs", pairs)
+        boundaries = [layer for layer in self.layers
+                      if isinstance(layer, boundary.GradientScaling)]
+        object.__setattr__(self, "_boundary_pairs", sorted(
+            {(layer.producer, layer.consumer) for layer in boundaries}))
         object.__setattr__(self, "_ratios", None)
-        for layer in self.layers:
-            if isinstance(layer, boundary.GradientScaling):
-                layer.bind(self._ratio)
+        for layer in boundaries:
+            layer.bind(self._ratio)
 
     def _boundary_ratios(self):
         """`{(producer, consumer): F_producer / F_consumer}` for every

@@ -3,10 +3,10 @@
 A scaled model is cut into segments, numbered from its inputs to its output;
 the last, the top, is scaled by the loss scale S alone, every segment k below
 it by S * F_k, so each segment's gradients can sit where float16 holds them.
-`next_factor_state` is one step of the rule, and its specification. With
-`min_factor == max_factor == 1` every F_k stays 1 and S's flag is the step's
-all-finite flag: the single-scale rule, bit for bit. Why statistics and a
-margin, and not one of the two alone: docs/guides/per-layer-scaling.md.
+`next_factor_state` is one step of the rule. With `min_factor ==
+max_factor == 1` every F_k stays 1 and S's flag is the step's all-finite
+flag: the single-scale rule, bit for bit. The rule, and why statistics and a
+margin: docs/guides/per-layer-scaling.md.
 """
 
 from typing import NamedTuple, Optional
@@ -85,39 +85,15 @@ class Figures(NamedTuple):
 
 def next_factor_state(state, figures, rule):
     """One step of the factor rule as a pure function of tensors, without
-    branches (the same code eagerly, in graphs and under XLA).
-
-    State per lower segment k (vectors, one element a segment): the factor F_k
-    (float32), its margin M_k in [2**-24, 1] (float32) and good steps G_k
-    (int64). One step, from what every replica and worker agreed on:
-
-    * Blame: the segment nearest the top whose gradients are not finite. A NaN
-      or Inf runs down the backward pass into every segment below the one where
-      it appeared, so only that segment's scale is known to be too high; the
-      segments below it learn nothing this step (their state is kept), those
-      above it had a finite step.
-    * Margins: TensorFlow's dynamic rule (`dynamic_rule.next_dynamic_state`,
-      multiplier 2, `increment_period`) on the margins of the segments that
-      learned something: the blamed one halves its margin, those above count a
-      good step and double theirs after `increment_period` of them, up to 1.
-    * Alignment, on a step whose gradients are all finite: A_k = 2**floor(
-      log2(u_top / u_k)), u being the largest magnitude of a segment's unscaled
-      gradients (over replicas, the geometric mean of their largest): the
-      factor that puts the segment's largest gradient level with the top's,
-      wherever the dynamic S puts that. A segment whose gradients were all 0
-      while the top's were not (flushed to 0, or none) climbs 8 binades a step
-      (all below float16's smallest subnormal, they cannot overflow there);
-      without figures, A_k is kept. A_k = F_k / M_k is not stored.
-    * F_k = clip(A_k * M_k, min_factor, max_factor).
-    * S's flag: finite, unless the top's gradients were not finite, or the
-      blamed segment is not scaled above the top (F_k <= 1: S itself is too
-      high for it) or can back off no further (its margin or factor at its
-      floor): then S backs off, under S's own failure policy, and the blamed
-      segment's margin is kept.
+    branches (the same code eagerly, in graphs and under XLA). The rule, step
+    by step (blame, margins, alignment, factors, S's flag):
+    docs/guides/per-layer-scaling.md, "The rule, exactly".
 
     Args:
-      state: the `FactorState` read this step.
-      figures: the step's `Figures`.
+      state: the `FactorState` read this step: per lower segment, the factor
+        F (float32), its margin M in [2**-24, 1] (float32) and good steps G
+        (int64).
+      figures: the step's `Figures`, what every replica and worker agreed on.
       rule: a `FactorRule`.
 
     Returns:

@@ -1,18 +1,15 @@
 """A loss-scaled step over segments: what a `LossScaleOptimizer` runs once a
 `LayerwiseModel` is compiled with it.
 
-`SegmentedStep.step` gives the optimizer's apply three replacements for one
-step: the `StepParts` (unscale each gradient by S * F of its segment; check
-each segment's gradients, summed over the replicas: every replica reads
-the same figures, with no collective of their own), a loss
-scale for the step core that updates S and the factors from them
-(`rule.next_factor_state`), and the opted-in gradient statistics at each
-gradient's own scale. Everything else is `loss_scaled_step`'s: the skip, its
-record, S's failure policy and its XLA record.
+`SegmentedStep.step` replaces three things of `loss_scaled_step`'s: the
+`StepParts` (unscale each gradient by its segment's S * F; the per-segment
+figures of the summed gradients), the loss scale (S and the factors, moved by
+`rule.next_factor_state`) and the opted-in gradient statistics (each gradient
+at its own scale). The skip, its record and S's policies stay the core's.
 """
 
-import collections
 import math
+from typing import NamedTuple
 
 import tensorflow as tf
 
@@ -70,13 +67,6 @@ class SegmentedStep:
                                 self.top), parts, stats
 
 
-def _by_segment(segments):
-    groups = collections.defaultdict(list)
-    for index, segment in enumerate(segments):
-        groups[segment].append(index)
-    return groups
-
-
 def _unscale(grads, variables, scale, segments, factors, top):
     """`grads / (S * F)`, each by its segment's factor; Keras' float8
     variables keep their gradient as computed."""
@@ -84,7 +74,8 @@ def _unscale(grads, variables, scale, segments, factors, top):
     scale = tf.cast(scale, tf.float32)
     # Every lower segment's S * F in one multiply; the top's is S.
     divisors = tf.unstack(scale * factors, num=top) + [scale]
-    for segment, indices in _by_segment(segments).items():
+    for segment in dict.fromkeys(segments):  # In order of appearance.
+        indices = [i for i, s in enumerate(segments) if s == segment]
         for index, grad in zip(indices, loss_scaled_step.unscale_for_apply(
                 [grads[i] for i in indices], [variables[i] for i in indices],
                 divisors[segment])):
@@ -182,24 +173,22 @@ class _SegmentedUpdate:
                         + assignments), should_apply
 
 
-class _SegmentStats:
+class _SegmentStats(NamedTuple):
     """`LossScaleMonitor(gradient_stats=True)`'s statistics of a segmented
     step: each gradient measured at its own scale S * F."""
-
-    def __init__(self, selection, segments, factors, top):
-        self._selection = selection
-        self._segments = segments
-        self._factors = factors
-        self._top = top
+    selection: object  # The step's `gradient_stats` selection.
+    segments: list
+    factors: tf.Tensor
+    top: int
 
     def measure(self, grads, loss_scale):
         """Replica context: `gradient_stats`' measure, each gradient at its
         own scale."""
-        factors = tf.unstack(self._factors, num=self._top)
-        return self._selection.measure(
-            [g if g is None or s == self._top
+        factors = tf.unstack(self.factors, num=self.top)
+        return self.selection.measure(
+            [g if g is None or s == self.top
              else g * tf.cast(factors[s], g.dtype)
-             for g, s in zip(grads, self._segments)], loss_scale)
+             for g, s in zip(grads, self.segments)], loss_scale)
 
     def write(self, summed):
-        return self._selection.write(summed)
+        return self.selection.write(summed)

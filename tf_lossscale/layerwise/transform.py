@@ -1,10 +1,8 @@
 """`scale_per_layer`: a compiled Keras 3 model rebuilt into a `LayerwiseModel`.
 
-The model's top-level layers, in the order the model runs them, are cut into
-segments (`segments`); the graph is cloned (`keras.models.clone_model` with a
-`call_function`) with a `GradientScaling` layer on every edge from one
-segment into another, and after every output of a segment below the last;
-the clone gets the model's weights and compile settings.
+The graph is cloned (`keras.models.clone_model` with a `call_function`) with
+a `GradientScaling` layer on every edge from one segment into another, and
+after every output of a segment below the last.
 """
 
 import contextlib
@@ -28,11 +26,10 @@ def scale_per_layer(model, segments="layers", *, increment_period=2000,
     """A new compiled model: `model` with per-layer gradient scaling.
 
     Each segment of the new model runs its backward pass at its own scale,
-    S * F (S the loss scale, F its factor, 1 for the last segment); each
-    variable's gradient is unscaled by its segment's S * F before the inner
-    optimizer sees it, and the factors follow the rule of
-    `tf_lossscale.layerwise.rule`. `model` is left as it was. When to use it,
-    and what it costs: docs/guides/per-layer-scaling.md.
+    S * F (S the loss scale, F its factor, 1 for the last segment), and
+    each gradient is unscaled by its segment's S * F; `model` is left as it
+    was. What it does, when to use it, and what it costs:
+    docs/guides/per-layer-scaling.md.
 
     Args:
       model: a compiled Keras 3 functional or Sequential model (built, on
@@ -66,8 +63,7 @@ def scale_per_layer(model, segments="layers", *, increment_period=2000,
         its layers' configs.
       ValueError: `model` is scaled per layer already; `segments` names no
         layer, or makes fewer than two segments (magnitudes that do not
-        part); a
-        bad `increment_period`, `min_factor` or `max_factor`.
+        part); a bad `increment_period`, `min_factor` or `max_factor`.
     """
     rule = rule_lib.checked_rule(increment_period, min_factor, max_factor)
     view = _functional_view(model)

@@ -1,21 +1,11 @@
 """The per-step finiteness check on gradients: the hot path of loss scaling.
 
-`all_finite(grads)` is a scalar bool tensor, True iff no element of any
-gradient is NaN or +-Inf; `nonfinite_flags(grads)` gives that verdict per
-gradient, and `largest_magnitudes(values)` each gradient's largest |value|,
-+inf exactly where the gradient is not finite. All are exact and stay on
-the gradients' devices. Small gradients (up to 65,536 values) of one dtype
-and static shape are checked stacked. In
-`all_finite`, every output of one split (`unscaling`'s packs) is checked
-through its input (graphs only), and larger gradients by their sum, which
-NaN or +-Inf make non-finite: only a non-finite sum (maybe an overflow)
-re-checks them exactly, in a `tf.cond` (docs/guides/performance.md).
-
-Gradients: a tensor or any nested structure of dense tensors,
-`tf.IndexedSlices` (values checked) and `None` (ignored), in float16,
-bfloat16, float32 or float64. No gradients at all count as finite.
+Exact, and on the gradients' devices. Gradients: a tensor or any nested
+structure of dense tensors, `tf.IndexedSlices` (values checked) and `None`
+(ignored), in float16, bfloat16, float32 or float64; none at all count as
+finite. How it stays cheap (stacking, the sum sentinel, checks through the
+unscale's split): docs/guides/performance.md, "How it stays cheap and exact".
 """
-
 import collections
 
 import tensorflow as tf

@@ -28,18 +28,15 @@ def headroom_log2(largest):
         math.log2(FLOAT16_MAX) - math.log2(largest))
 
 
-def _values(tensor):
-    return tf.convert_to_tensor(finiteness.dense_values(tensor))
-
-
 def _present(tensors):
-    return [_values(t) for t in tf.nest.flatten(tensors) if t is not None]
+    return [tf.convert_to_tensor(finiteness.dense_values(t))
+            for t in tf.nest.flatten(tensors) if t is not None]
 
 
 def is_finite(tensors):
     """A bool scalar: no value is NaN or +-Inf (integer tensors, such as
     token ids, always are)."""
-    flags = [tf.reduce_all(tf.math.is_finite(values))
+    flags = [finiteness.is_finite(values)
              for values in _present(tensors) if values.dtype.is_floating]
     return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
 
@@ -51,14 +48,11 @@ def largest_magnitude(tensors, xla=False):
 
 
 def scaled_gradient_stats(grads, scale, xla=False):
-    """A step's gradients against float16's range at loss scale `scale`
-    (what `LossScaleMonitor(gradient_stats=True)` logs): `grads` are the
-    step's unscaled gradients. Returns a float32 vector `[tiny, count,
-    largest]`: `tiny` of the `count` values have a scaled magnitude
-    `|scale * g|` below 2**-14 (zero or subnormal in float16, true zeros
-    included), counted as `|g| < 2**-14 / scale`; `largest` is the largest
-    scaled magnitude (`largest_magnitude`). `xla`: traced for XLA.
-    """
+    """A step's unscaled `grads` against float16's range at loss scale
+    `scale` (what `LossScaleMonitor(gradient_stats=True)` logs): a float32
+    vector `[tiny, count, largest]`: `tiny` of the `count` values have a
+    scaled magnitude below 2**-14 (zero or subnormal in float16), `largest`
+    is the largest scaled magnitude. `xla`: traced for XLA."""
     present = _present(grads)
     scale = tf.cast(scale, tf.float32)
     tiny, largest = _measure(present, FLOAT16_MIN_NORMAL / scale, xla)
@@ -83,13 +77,8 @@ def _measure(present, threshold=None, xla=False):
     """`(tiny, largest)` of the values of `present`: how many have a
     magnitude below `threshold` (int64; 0 without one), and the largest
     magnitude (float32; +inf after NaN or +-Inf, 0 for none). `xla`: traced
-    for XLA (whose maximum may skip NaN).
-
-    Per tensor, or group of small ones: one |g|, its maximum and its count,
-    the only passes over the values. TensorFlow's maximum kernels propagate
-    NaN; XLA's may skip it, so under XLA each tensor's finiteness is
-    checked too (XLA fuses each tensor's reductions: nothing to gain there
-    from concatenating).
+    for XLA, whose maximum may skip NaN: each tensor's finiteness is then
+    checked too (docs/guides/performance.md, "How it stays cheap and exact").
     """
     values = [tf.cast(v, tf.float32) for v in present]
     tiny, tops, finite = [tf.constant(0, tf.int64)], [tf.constant(0.0)], []
@@ -97,7 +86,7 @@ def _measure(present, threshold=None, xla=False):
         magnitudes = tf.abs(part)
         tops.append(tf.reduce_max(magnitudes))
         if xla:
-            finite.append(tf.reduce_all(tf.math.is_finite(part)))
+            finite.append(finiteness.is_finite(part))
         if threshold is not None:
             tiny.append(_count(magnitudes < threshold, xla))
     tops = tf.stack(tops)
@@ -119,10 +108,8 @@ def _concatenated(values):
 
 
 def _count(mask, xla):
-    """The True values of `mask`, int64, summed in the cheapest exact type:
-    int32 under XLA (its float sums measured slower on CPUs); float32 in
-    TensorFlow's kernels, which on GPUs sum int32 on the host, while below
-    2**24 values; else int64."""
+    """The True values of `mask`, int64, summed in the cheapest exact type
+    (int32 under XLA, float32 below 2**24 values without; else int64)."""
     size = mask.shape.num_elements()
     dtype = tf.int32 if xla else tf.float32
     if size is None or size > _EXACT_COUNTS[dtype.name]:
@@ -142,18 +129,12 @@ def flatten(grads, variables):
         for grad, variable in zip(grads, variables)], axis=0)
 
 
-def segment_ids(sizes):
-    """For parts of `sizes` (an int32 vector) laid end to end, the index of
-    the part each position belongs to (`[2, 0, 1]` -> `[0, 0, 2]`)."""
-    # Not tf.repeat: it builds a parts x largest-part mask first.
-    return tf.ragged.row_splits_to_segment_ids(
-        tf.concat([[0], tf.cumsum(sizes)], axis=0))
-
-
 def variable_ids(variables):
     """The index of the variable each value of `flatten(...)` belongs to."""
-    return segment_ids(tf.constant(
-        [variable.shape.num_elements() for variable in variables], tf.int32))
+    sizes = tf.constant([v.shape.num_elements() for v in variables], tf.int32)
+    # Not tf.repeat: it builds a variables x largest-variable mask first.
+    return tf.ragged.row_splits_to_segment_ids(
+        tf.concat([[0], tf.cumsum(sizes)], axis=0))
 
 
 def _by_variable(reduce, values, ids, count):
@@ -220,16 +201,6 @@ def _innermost_layers(layer):
     return [leaf for sublayer in inner for leaf in _innermost_layers(sublayer)]
 
 
-def owners(model):
-    """`{id(variable): layer}` for every trainable variable of `model`: the
-    innermost layer that holds it."""
-    owner = {}
-    for layer in _innermost_layers(model):
-        for variable in layer.trainable_weights:
-            owner.setdefault(id(variable), layer)
-    return owner
-
-
 def takes_gradient_as_value(variable):
     """Whether the optimizer writes `variable`'s gradient into it instead
     of applying it (Keras' float8 scales and amax histories): not a
@@ -240,7 +211,10 @@ def takes_gradient_as_value(variable):
 def float16_variables(model):
     """The trainable variables of `model` whose layer computes in float16,
     in `model.trainable_variables` order."""
-    owner = owners(model)
+    owner = {}  # id(variable) -> the innermost layer that holds it
+    for layer in _innermost_layers(model):
+        for variable in layer.trainable_weights:
+            owner.setdefault(id(variable), layer)
     return [variable for variable in model.trainable_variables
             if id(variable) in owner
             and owner[id(variable)].compute_dtype == "float16"

@@ -1,14 +1,9 @@
 """Unscaling gradients: every value divided by the loss scale.
 
-`unscale(grads, scale)` returns `grad / scale` for each gradient, keeping its
-dtype, shape, kind (dense or `tf.IndexedSlices`) and `None`. The quotient is
-computed in float32 (float64 for float64 gradients) and cast back: float16
-cannot even hold scales above 65504. Tiny dense gradients of one dtype are
-packed: concatenated, divided once and split back. Each value is still one
-correctly rounded division, so the result is bit for bit a per-gradient
-divide's (docs/guides/performance.md compares the two).
+In float32 (float64 for float64 gradients; float16 cannot hold scales above
+65504), cast back; tiny dense gradients are packed, bit for bit a
+per-gradient divide's (docs/guides/performance.md).
 """
-
 import collections
 
 import tensorflow as tf

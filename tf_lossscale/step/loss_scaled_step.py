@@ -1,24 +1,14 @@
 """One loss-scaled optimizer step, the same for every optimizer wrapper.
 
-The Keras 3, tf-keras and TF1 wrappers are adapters: each hands one step's
-gradients to `apply_or_skip`, which
-1. sums them over every replica and worker with the all-reduce the inner
-   optimizer would make, moved ahead of the decision: a NaN or Inf on any
-   replica is in the sum, so each worker reads the one finiteness flag off
-   its own copy of the sum, with no collective of its own;
-2. updates the loss scale from it (a user's `LossScale` gets `update`);
-3. applies the sums in every replica (the inner optimizer must not sum them
-   again), or skips: a `SkipRecord` counts the step and records which
-   variables' gradients were not finite (worked out on skipped steps only).
-The unscale, the check and the agreement are the fields of a `StepParts`, so
-the benchmark can replace each. Variables that take their gradient as their
-value (Keras' float8 `overwrite_with_gradient`) get it as computed, as Keras'
-own wrapper does. The optimizers of a `LossScaleGroup` take part as its
-members: each step is a member's step (the group moves the scale once per
-iteration); inside a `group.iteration()` block the steps wait for its end,
-where `DeferredStep.run_together` decides on all of them and applies or
-skips each. Under XLA a failed or refused step halts every later one
-until the host has acted (`loss_scales.xla_checks`).
+The Keras 3, tf-keras and TF1 wrappers hand one step's gradients to
+`apply_or_skip`: it sums them over every replica and worker with the
+all-reduce the inner optimizer would make, reads the finiteness flag off the
+sum (no collective of its own: docs/guides/distribution.md, "How the replicas
+agree"), updates the loss scale from it, then applies the sums in every
+replica or skips, writing a `SkipRecord`. In a `group.iteration()` block a
+`LossScaleGroup`'s steps wait for its end (`DeferredStep.run_together`).
+Under XLA a failed or refused step halts every later one until the host has
+acted (`loss_scales.xla_checks`).
 """
 
 import contextlib
@@ -59,16 +49,14 @@ class StepParts(NamedTuple):
     `FULL_STEP`; the benchmark's ablations replace one part at a time.
 
     Attributes:
-      unscale: `unscale(grads, variables, scale)`, step 0 for adapters whose
+      unscale: `unscale(grads, variables, scale)`, run by the wrappers whose
         caller hands over scaled gradients (`unscale_for_apply`).
       check: `check(grads)`, one replica's gradients -> scalar bool, True
         when all are finite (`finiteness.all_finite`).
-      agree: `agree(check, grads)`, cross-replica context, `grads` summed
-        over the replicas -> the scalar bool every replica agrees on
-        (`replicas.from_summed`).
+      agree: `agree(check, grads)`, cross-replica context -> the bool every
+        replica agrees on (`replicas.from_summed`).
       each_any: `each_any(flags_fn, grads)`, the same context -> a bool
-        vector, True where `flags_fn` is True on any replica (the skip
-        record's).
+        vector, True where `flags_fn` is True on any replica.
     """
     unscale: Callable
     check: Callable
@@ -89,31 +77,20 @@ FULL_STEP = StepParts(unscale=unscale_for_apply,
                       agree=replicas.from_summed)
 
 
-class SkipRecord:
+class SkipRecord(NamedTuple):
     """What a skipped step writes: one more skipped step, and a flag per
     variable (1 where its gradient, summed over the replicas, held NaN or
-    +-Inf: where it did on any replica, or the sum overflowed).
+    +-Inf: where it did on any replica, or the sum overflowed)."""
+    skipped_steps: object  # A scalar int64 variable.
+    nonfinite_flags: object  # An int32 vector variable, a flag a position.
+    # Maps the list of the step's variables to their positions in it.
+    positions: Callable
 
-    Args:
-      skipped_steps: a scalar int64 variable.
-      nonfinite_flags: an int32 vector variable, one flag per position, or
-        None to record only the count.
-      positions: maps the step's variables to their positions in
-        `nonfinite_flags` (a callable taking the list of variables).
-    """
-
-    def __init__(self, skipped_steps, nonfinite_flags=None, positions=None):
-        self.skipped_steps = skipped_steps
-        self.nonfinite_flags = nonfinite_flags
-        self.positions = positions
-
-    def write(self, grads, variables, each_any=replicas.from_summed):
+    def write(self, grads, variables, each_any):
         """Cross-replica context: records one skipped step; `each_any` is
         the step's `StepParts.each_any`."""
         # Keras variables' assign methods take no `read_value`.
         ops = [self.skipped_steps.assign_add(1)]
-        if self.nonfinite_flags is None:
-            return ops
         positions = self.positions(variables)
         size = self.nonfinite_flags.shape[0]
 
@@ -135,14 +112,9 @@ class SkipRecord:
 @contextlib.contextmanager
 def building_outside_traces():
     """For a wrapper's first build, which may come inside a traced step:
-    its variables are made eagerly and are not the tf.function's.
-
-    TensorFlow lets a tf.function create variables on its first call only,
-    and a first trace that fails (an XLA step without a watcher,
-    `check_traceable`) would leave the function unable to make them later.
-    `experimental_enable_variable_lifting=False` (a documented tf.Variable
-    argument since TF 2.11) keeps the function from counting them.
-    """
+    its variables are made eagerly and are not the tf.function's (which may
+    create variables on its first call only, and that trace may fail:
+    `check_traceable`)."""
 
     def not_lifted(next_creator, **kwargs):
         kwargs["experimental_enable_variable_lifting"] = False
@@ -158,16 +130,15 @@ def building_outside_traces():
 check_traceable = xla_record.check_watched
 
 
-def update_loss_scale(loss_scale, grads, parts=None):
+def update_loss_scale(loss_scale, grads, parts):
     """Cross-replica context: updates `loss_scale` from `grads` (unscaled,
     possibly per-replica) and returns `(update_op, should_apply)`.
 
-    The built-in loss scales are driven by the all-replica flag directly,
-    with `should_apply` ordered after their state check, update and policy;
-    a fixed scale that never skips computes no check at all. `parts`: the
-    `StepParts` whose check and agreement give that flag (`FULL_STEP`).
+    The built-in loss scales are driven by the all-replica flag that the
+    `StepParts` `parts` check and agree on, `should_apply` ordered after
+    their state check, update and policy; a fixed scale that never skips
+    computes no check at all.
     """
-    parts = parts or FULL_STEP
     update_from_flag = getattr(loss_scale, "_update_from_all_finite", None)
     if update_from_flag is None:
         return loss_scale.update(grads)  # A user-defined LossScale.
@@ -193,17 +164,14 @@ def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record,
         return an op or tensor to wait on.
       skip_record: the `SkipRecord` written on skipped steps, or None to
         record nothing (a wrapper whose checkpoints hold no such state).
-      stats: None (the default: the step holds nothing more), or the
-        opted-in per-step gradient statistics of
-        `tf_lossscale.monitor.gradient_stats`, written on every step, applied
-        or skipped, from the gradients and the scale they ran with: each
-        replica's `stats.measure` rides the gradients' all-reduce, and
-        `stats.write` records the sum.
+      stats: None, or the opted-in per-step gradient statistics of
+        `tf_lossscale.monitor.gradient_stats`, written on every step from
+        the gradients and the scale they ran with: each replica's
+        `stats.measure` rides the gradients' all-reduce, and `stats.write`
+        records the sum.
       parts: the `StepParts` to run; None for `FULL_STEP`.
       summed: True when every replica already holds the same `grads` (a
-        wrapper's inner optimizer summed them); the step then makes no
-        all-reduce at all. (A caller's own sums get `summed_by_caller`'s
-        parts as well.)
+        wrapper's inner optimizer summed them): no all-reduce at all.
 
     Returns:
       None eagerly; in graphs an op that runs the whole step (TF1 callers
@@ -220,37 +188,30 @@ def apply_or_skip(loss_scale, grads, variables, apply_fn, skip_record,
     # back regrouped per replica, callables included.
     return replicas.call_in_cross_replica_context(
         functools.partial(_cross_replica_step, loss_scale, apply_fn,
-                          skip_record, stats, parts), grads, variables,
-        measured)
+                          skip_record, stats, parts or FULL_STEP), grads,
+        variables, measured)
 
 
 def _cross_replica_step(loss_scale, apply_fn, skip_record, stats, parts,
                         grads, variables, measured):
-    stats = None if stats is None else functools.partial(
-        stats.write, measured[0])
+    if stats is not None:
+        stats = functools.partial(stats.write, measured[0])
+    step = DeferredStep(loss_scale, apply_fn, skip_record, stats, parts,
+                        grads, variables)
     if isinstance(loss_scale, group_lib.GroupMember):
-        group = loss_scale.group
-        block = group.deferring_block()
+        block = loss_scale.group.deferring_block()
         if block is not None:
-            group.defer(block, loss_scale, DeferredStep(
-                loss_scale, apply_fn, skip_record, stats, parts or FULL_STEP,
-                grads, variables))
+            loss_scale.group.defer(block, loss_scale, step)
             return _done([])
-    stats_op = None if stats is None else stats()
-    with tf.control_dependencies([] if stats_op is None else [stats_op]):
+    with _after_stats([step]):
         update_op, should_apply = update_loss_scale(loss_scale, grads, parts)
-    step = _apply_or_skip_branch(loss_scale, should_apply, apply_fn,
-                                 skip_record, grads, variables,
-                                 (parts or FULL_STEP).each_any)
-    if tf.executing_eagerly():
-        return None
-    return tf.group([op for op in (update_op, step) if op is not None])
+    return _grouped(update_op, step.apply_or_skip(should_apply))
 
 
 class DeferredStep(NamedTuple):
-    """An optimizer's step inside a `group.iteration()` block, waiting for
-    its end: what `apply_or_skip` was given (cross-replica values)."""
-    member: object  # The optimizer's `GroupMember`.
+    """An optimizer's step in cross-replica context, as `apply_or_skip` was
+    given it; in a `group.iteration()` block, waiting for its end."""
+    member: object  # The optimizer's loss scale (in a group, its member).
     apply_fn: Callable
     skip_record: object
     stats: Callable  # Records the step's gradient statistics, or None.
@@ -263,15 +224,12 @@ class DeferredStep(NamedTuple):
         """Cross-replica context: the block's `steps` as one iteration: each
         step's finiteness flag, read off its summed gradients, the group's
         step from them, then each step applies or skips."""
-        stats_ops = [step.stats() for step in steps
-                     if step.stats is not None]
-        with tf.control_dependencies([op for op in stats_ops
-                                      if op is not None]):
-            # Gradients a caller summed need agreeing (`summed_by_caller`).
-            decide = (replicas.from_summed if all(
-                step.parts.agree is replicas.from_summed for step in steps)
-                      else replicas.each_all_replicas_true)
+        with _after_stats(steps):
             if steps[0].member._needs_finiteness:  # pylint: disable=protected-access
+                # Gradients a caller summed need agreeing (`summed_by_caller`).
+                decide = (replicas.from_summed if all(
+                    step.parts.agree is replicas.from_summed
+                    for step in steps) else replicas.all_replicas_true)
                 agreed = decide(
                     lambda *grads: tf.stack([
                         step.parts.check(g) for step, g in zip(steps, grads)]),
@@ -281,46 +239,52 @@ class DeferredStep(NamedTuple):
                 flags = [tf.constant(True)] * len(steps)
             update_op, should_apply = group.step(
                 [step.member for step in steps], flags, ends_now=True)
-        branches = [
-            _apply_or_skip_branch(step.member, should, step.apply_fn,
-                                  step.skip_record, step.grads, step.variables,
-                                  step.parts.each_any)
-            for step, should in zip(steps, should_apply)]
-        if tf.executing_eagerly():
-            return None
-        return tf.group([op for op in [update_op, *branches] if op is not None])
+        return _grouped(update_op, *[
+            step.apply_or_skip(should)
+            for step, should in zip(steps, should_apply)])
+
+    def apply_or_skip(self, should_apply):
+        """Cross-replica context: applies in every replica if `should_apply`,
+        else writes the skip record; returns what to wait on (None eagerly).
+        """
+
+        def apply_in_every_replica():
+            results = replicas.call_for_each_replica(
+                self.apply_fn, self.grads, self.variables)
+            # Per-replica results are unwrapped, so a TF1 graph's step op
+            # waits on every replica's apply.
+            return _done(replicas.local_results(results))
+
+        def skip():
+            if self.skip_record is None:
+                return _done([])
+            return _done(self.skip_record.write(
+                self.grads, self.variables, self.parts.each_any))
+
+        # Under XLA a step that failed (or was refused) changes nothing more,
+        # as the error would have stopped it without XLA; the host raises
+        # after the call, or later (tf_lossscale.loss_scales.xla_checks).
+        record = xla_record.record_of(self.member)
+        halted = (record.halted() if record is not None
+                  and xla_record.in_xla_context() else None)
+        if halted is not None:  # None: a record that halts nothing.
+            skip = functools.partial(tf.cond, halted, lambda: _done([]), skip)
+        if isinstance(should_apply, bool):
+            return apply_in_every_replica() if should_apply else skip()
+        return tf.cond(should_apply, apply_in_every_replica, skip)
 
 
-def _apply_or_skip_branch(loss_scale, should_apply, apply_fn, skip_record,
-                          grads, variables, each_any):
-    """Cross-replica context: applies in every replica if `should_apply`,
-    else writes `skip_record`; returns what to wait on (None eagerly)."""
+def _after_stats(steps):
+    """A scope whose ops run after the `steps`' statistics are written."""
+    ops = [step.stats() for step in steps if step.stats is not None]
+    return tf.control_dependencies([op for op in ops if op is not None])
 
-    def apply_in_every_replica():
-        results = replicas.call_for_each_replica(apply_fn, grads,
-                                                     variables)
-        # Per-replica results are unwrapped, so a TF1 graph's step op waits
-        # on every replica's apply.
-        return _done(replicas.local_results(results))
 
-    def skip():
-        if skip_record is None:
-            return _done([])
-        return _done(skip_record.write(grads, variables, each_any))
-
-    # Under XLA a step that failed (or was refused) changes nothing more, as
-    # the error would have stopped it without XLA; the host raises after the
-    # call, or later (tf_lossscale.loss_scales.xla_checks).
-    record = xla_record.record_of(loss_scale)
-    halted = (record.halted() if record is not None
-              and xla_record.in_xla_context() else None)
-    if halted is not None:  # None: a record that halts nothing.
-        record_skip = skip
-        skip = lambda: tf.cond(halted, lambda: _done([]), record_skip)  # pylint: disable=unnecessary-lambda-assignment
-
-    if isinstance(should_apply, bool):
-        return apply_in_every_replica() if should_apply else skip()
-    return tf.cond(should_apply, apply_in_every_replica, skip)
+def _grouped(*ops):
+    """None eagerly; in graphs one op that runs `ops` (None ones left out)."""
+    if tf.executing_eagerly():
+        return None
+    return tf.group([op for op in ops if op is not None])
 
 
 def _done(ops):

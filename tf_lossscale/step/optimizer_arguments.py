@@ -1,13 +1,7 @@
-"""How the optimizer wrappers read their loss-scale and Keras arguments.
-
-`resolve_loss_scale`: the `LossScale` (or `LossScaleGroup`) of any wrapper's
-arguments, ours or Keras' and tf-keras' (under the names the caller typed, in
-tf-keras' phrases); `claim`: the loss scale a wrapper then holds (a group's
-new member), with the warning for two wrappers on one loss scale;
-`check_base_optimizer_arguments`: what Keras writes into saved
-configs; `InnerHyperparameters`: the Keras 3 wrapper's hyperparameters,
-which are its inner optimizer's.
-"""
+"""How the optimizer wrappers read their loss-scale and Keras arguments:
+`resolve_loss_scale` and `claim` (the loss scale a wrapper holds),
+`check_base_optimizer_arguments` (what Keras writes into saved configs) and
+`InnerHyperparameters` (the Keras 3 wrapper's, its inner optimizer's)."""
 
 import warnings
 
