@@ -1,9 +1,6 @@
-"""Argument checks for every entry point, the package's two exceptions and
-its warning about a shared loss scale.
-
-A check runs before anything changes; its message names the argument and the
-value's bounded `summary`. A step's checks add no op to a `tf.function`.
-"""
+"""Argument checks for every entry point (run before anything changes, and
+adding no op to a step), the package's two exceptions and its warning about
+a shared loss scale."""
 
 import collections.abc
 import math
@@ -25,14 +22,13 @@ class DoubleScalingError(TypeError, ValueError):
 
 
 class ReplicaContextError(ValueError, RuntimeError):
-    """A wrapper's step was called in a strategy's cross-replica context (a
-    ValueError as in TensorFlow and Keras, a RuntimeError as formerly)."""
+    """A wrapper's step was called in a strategy's cross-replica context: a
+    ValueError as TensorFlow's wrappers raise, a RuntimeError as ours did."""
 
 
 class SharedLossScaleWarning(UserWarning):
     """Two optimizer wrappers hold one stateful loss scale without a
-    `LossScaleGroup`: each optimizer's step is a step of the scale, so it
-    moves once per optimizer step, not once per training iteration."""
+    `LossScaleGroup`: it moves once per optimizer step, not per iteration."""
 
 
 def user_stacklevel():
@@ -113,10 +109,9 @@ def finite_float32(name, value, *, above=None, at_least=None, below=None,
     # Bounds apply to what the variable holds: 1e-46 becomes 0 there.
     stored = float(np.float32(number))
     rounded = "" if stored == number else f" (float32 rounds it to {stored!r})"
-    for sign, bound, holds in ((">", above, operator.gt),
-                               (">=", at_least, operator.ge),
-                               ("<", below, operator.lt),
-                               ("<=", at_most, operator.le)):
+    for sign, bound, holds in (
+            (">", above, operator.gt), (">=", at_least, operator.ge),
+            ("<", below, operator.lt), ("<=", at_most, operator.le)):
         if bound is not None and not holds(stored, bound):
             raise ValueError(f"{name} must be {sign} {bound:g}, got "
                              f"{summary(value)}{rounded}")
@@ -198,8 +193,7 @@ def optimizer_config(config, custom_objects, optimizer_types=()):
         raise TypeError(f"A LossScaleOptimizer config's {key!r} must be a "
                         "serialized optimizer, a dict like {'class_name': "
                         f"'Adam', 'config': {{...}}}}, got {summary(inner)}")
-    return inner, {name: value for name, value in config.items()
-                   if name != key}
+    return inner, {k: v for k, v in config.items() if k != key}
 
 
 def replica_context():
@@ -259,9 +253,9 @@ def loss(value):
 
 def _as_list(name, values, expected):
     """`values` as a list; a tensor, array, string or dict is refused."""
-    if (hasattr(values, "dtype") or isinstance(values, (str, bytes))
-            or isinstance(values, collections.abc.Mapping)
-            or not isinstance(values, collections.abc.Iterable)):
+    if hasattr(values, "dtype") or isinstance(values, (
+            str, bytes, collections.abc.Mapping)) or not isinstance(
+                values, collections.abc.Iterable):
         raise _wrong_type(name, values, expected)
     return list(values)
 
@@ -273,8 +267,7 @@ def _gradient(index, grad, variable):
             return f"gradient {index}"
         return f"gradient {index} (for variable {summary(_name(variable))})"
 
-    # Looked up on the class: a Keras variable computes `dtype` and `shape`
-    # on each read, which costs more than the whole check.
+    # On the class: a Keras variable computes `dtype` and `shape` per read.
     kind = type(variable)
     if variable is not _NO_VARIABLE and not (hasattr(kind, "assign") and (
             hasattr(kind, "dtype") and hasattr(kind, "shape"))):

@@ -32,6 +32,7 @@ def make_strategy(num_devices):
     strategy for one."""
     if num_devices == 1:
         return tf.distribute.get_strategy()
+    # Reduced through one device: a process can run several device counts.
     return tf.distribute.MirroredStrategy(
         [f"/cpu:{index}" for index in range(num_devices)],
         cross_device_ops=tf.distribute.ReductionToOneDevice())
@@ -187,7 +188,7 @@ def run(config, steps=None, num_devices=1, inject_nonfinite_every=0,
 def plot_loss_scale(result, path):
     """Writes a PNG of `result`'s loss scale over the steps to `path`."""
     # pylint: disable=g-import-not-at-top
-    from matplotlib import figure
+    from matplotlib import figure  # Not pyplot: no global figure state.
     # Step k ran with the scale before it, loss_scales[k - 1].
     steps = np.arange(1, len(result.loss_scales))
     used = np.asarray(result.loss_scales[:-1])
