@@ -224,7 +224,7 @@ class LossScaleOptimizer(_TfKerasWrapper, _tf_keras_lso.LossScaleOptimizerV3):
         self._optimizer.build(var_list)
 
     def _aggregate(self, pairs):
-        return list(self._optimizer.aggregate_gradients(pairs))
+        return self._optimizer.aggregate_gradients(pairs)
 
     def _apply_aggregated(self, pairs, name):
         del name  # As tf-keras' wrapper: a subclass's apply may not take it.
@@ -272,8 +272,7 @@ class LegacyLossScaleOptimizer(_TfKerasWrapper,
             experimental_aggregate_gradients=experimental_aggregate_gradients)
 
     def _aggregate(self, pairs):
-        return list(private_api.tf_keras_aggregate_legacy(self._optimizer,
-                                                          pairs))
+        return private_api.tf_keras_aggregate_legacy(self._optimizer, pairs)
 
     def _apply_aggregated(self, pairs, name):
         return self._optimizer.apply_gradients(
