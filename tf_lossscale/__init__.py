@@ -13,10 +13,8 @@ Public API (docs/reference says more of each):
   diagnosed where it fails, stopped or carried on (`tf_lossscale.watch`).
 """
 
-# TensorFlow is not a pip requirement of this package (setup.py says why):
-# check here, before any module imports it, that one is installed and not
-# older than supported, and Keras too, with an ImportError that says how to
-# fix it. Newer than tested releases get one warning (versions.py).
+# TensorFlow is no pip requirement (setup.py says why): before any module
+# imports it, refuse a missing or too old TensorFlow or Keras.
 from tf_lossscale._internal import versions as _versions
 
 _newer_than_tested = [_versions.check(_versions.TENSORFLOW),
@@ -27,10 +25,8 @@ from importlib import util as _importlib_util
 
 from tf_lossscale.step import optimizer_protocol as _optimizer_protocol
 
-# With `tf.keras` being tf-keras, its users load saved models in processes
-# that have wrapped no optimizer yet: the tf-keras wrappers are registered
-# below, and tf-keras is checked now, in the same warning. Otherwise tf_keras
-# is imported (and checked) only when a tf-keras optimizer is wrapped.
+# With `tf.keras` being tf-keras, the tf-keras wrappers are registered below
+# for `load_model`; otherwise tf_keras is imported only when needed.
 _tf_keras_now = _optimizer_protocol.tf_keras_is_tf_keras() and (
     _importlib_util.find_spec("tf_keras") is not None)
 if _tf_keras_now:

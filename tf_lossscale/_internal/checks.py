@@ -1,11 +1,6 @@
-"""Argument checks for every entry point, the package's two exceptions and
-its warning about a shared loss scale.
-
-A check runs before anything is created or changed; its message names the
-argument and shows the value's bounded `summary`. A bool is no number; an int
-argument takes a whole float (`2.0`, as JSON writes it). A step's checks read
-only lengths, static dtypes and shapes: in a `tf.function` they add no op.
-"""
+"""Argument checks for every entry point (run before anything changes, and
+adding no op to a step), the package's two exceptions and its warning about
+a shared loss scale."""
 
 import collections.abc
 import math
@@ -22,27 +17,22 @@ from tf_lossscale._internal import private_api
 
 
 class DoubleScalingError(TypeError, ValueError):
-    """A wrapper was given an optimizer that already scales the loss: a
-    TypeError, as tf-keras' wrapper raises, and a ValueError, as TensorFlow's
-    TF1 wrapper raises, for code matching either."""
+    """A wrapper was given an optimizer that already scales the loss (a
+    TypeError as in tf-keras, a ValueError as in TensorFlow's TF1 wrapper)."""
 
 
 class ReplicaContextError(ValueError, RuntimeError):
-    """A wrapper's step was called in a strategy's cross-replica context,
-    where one call cannot stand for every replica's step: a ValueError, as
-    TensorFlow's and Keras' own wrappers raise, and a RuntimeError, for code
-    written against earlier tf_lossscale."""
+    """A wrapper's step was called in a strategy's cross-replica context: a
+    ValueError as TensorFlow's wrappers raise, a RuntimeError as ours did."""
 
 
 class SharedLossScaleWarning(UserWarning):
     """Two optimizer wrappers hold one stateful loss scale without a
-    `LossScaleGroup`: each optimizer's step is a step of the scale, so it
-    moves once per optimizer step, not once per training iteration."""
+    `LossScaleGroup`: it moves once per optimizer step, not per iteration."""
 
 
 def user_stacklevel():
-    """The `stacklevel` for `warnings.warn` in the caller that names the
-    first frame outside this package (the user's line)."""
+    """The `warnings.warn` stacklevel, for the caller, of the user's line."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     frame, level = sys._getframe(1), 1  # pylint: disable=protected-access
     while frame is not None and os.path.abspath(
@@ -75,8 +65,8 @@ _SHORT_REPR.maxlong = _SHORT_REPR.maxother = SUMMARY_CHARS
 
 
 def summary(value):
-    """`value` in at most ~200 characters: its repr, or a clipped one with
-    its type and length (`[1.0, ...] (list of length 1000000)`)."""
+    """`value`'s repr in at most ~200 characters (clipped: with its type and
+    length)."""
     try:
         text = _SHORT_REPR.repr(value)
     except Exception:  # pylint: disable=broad-except  # A hostile subclass.
@@ -92,8 +82,8 @@ def summary(value):
 
 
 def of_type(name, value, types, expected):
-    """Returns `value`, if an instance of `types` (`expected` says which).
-    A bool is no `numbers.Real` here: it is never a scale or a count."""
+    """Returns `value`, if of `types` (`expected` names them); a bool is no
+    `numbers.Real`: never a scale or a count."""
     if not isinstance(value, types) or types is numbers.Real and isinstance(
             value, (bool, np.bool_)):
         raise _wrong_type(name, value, expected)
@@ -119,10 +109,9 @@ def finite_float32(name, value, *, above=None, at_least=None, below=None,
     # Bounds apply to what the variable holds: 1e-46 becomes 0 there.
     stored = float(np.float32(number))
     rounded = "" if stored == number else f" (float32 rounds it to {stored!r})"
-    for sign, bound, holds in ((">", above, operator.gt),
-                               (">=", at_least, operator.ge),
-                               ("<", below, operator.lt),
-                               ("<=", at_most, operator.le)):
+    for sign, bound, holds in (
+            (">", above, operator.gt), (">=", at_least, operator.ge),
+            ("<", below, operator.lt), ("<=", at_most, operator.le)):
         if bound is not None and not holds(stored, bound):
             raise ValueError(f"{name} must be {sign} {bound:g}, got "
                              f"{summary(value)}{rounded}")
@@ -165,9 +154,8 @@ def one_of(name, value, choices):
 
 def inner_optimizer(value, optimizer_types, wrapper_types, expected, *,
                     argument="inner_optimizer", error=TypeError):
-    """Raises unless `value` is an optimizer of `optimizer_types` (named by
-    `expected`), not of `wrapper_types`, unclaimed. `error`: what the
-    framework's wrapper raises for a non-optimizer; tf-keras' phrases."""
+    """Raises unless `value` is an unwrapped optimizer of `optimizer_types`
+    (`expected` names them), not of `wrapper_types`; in tf-keras' words."""
     if isinstance(value, wrapper_types):
         raise DoubleScalingError(
             "LossScaleOptimizer cannot wrap another LossScaleOptimizer, but "
@@ -185,9 +173,8 @@ def inner_optimizer(value, optimizer_types, wrapper_types, expected, *,
 
 
 def optimizer_config(config, custom_objects, optimizer_types=()):
-    """`(inner, kwargs)` of a wrapper's config (TF 2.1-2.3's names `inner`
-    `optimizer`), checked before Keras' deserializer reads it: `inner`
-    serialized (a dict with a string `class_name`) or of `optimizer_types`."""
+    """`(inner, kwargs)` of a wrapper's config (TF 2.1-2.3: `optimizer`);
+    `inner` is serialized or of `optimizer_types`."""
     of_type("custom_objects", custom_objects,
             (collections.abc.Mapping, type(None)), "a dict of names to classes")
     if not isinstance(config, dict) or any(
@@ -206,8 +193,7 @@ def optimizer_config(config, custom_objects, optimizer_types=()):
         raise TypeError(f"A LossScaleOptimizer config's {key!r} must be a "
                         "serialized optimizer, a dict like {'class_name': "
                         f"'Adam', 'config': {{...}}}}, got {summary(inner)}")
-    return inner, {name: value for name, value in config.items()
-                   if name != key}
+    return inner, {k: v for k, v in config.items() if k != key}
 
 
 def replica_context():
@@ -231,9 +217,8 @@ def pairs(grads_and_vars):
 
 
 def gradients(grads, variables=None):
-    """`grads` as a list, checked against `variables`: one per variable,
-    None or floating-point of a fitting static shape, not all None. Without
-    `variables`, each of the nested `grads` (in `tf.nest.flatten` order)."""
+    """`grads` as a list: one per variable, None or floating-point of a
+    fitting shape, not all None; without `variables`, flattened `grads`."""
     if variables is None:
         return [_gradient(i, grad, _NO_VARIABLE) for i, grad in enumerate(
             tf.nest.flatten(grads))]
@@ -268,22 +253,21 @@ def loss(value):
 
 def _as_list(name, values, expected):
     """`values` as a list; a tensor, array, string or dict is refused."""
-    if (hasattr(values, "dtype") or isinstance(values, (str, bytes))
-            or isinstance(values, collections.abc.Mapping)
-            or not isinstance(values, collections.abc.Iterable)):
+    if hasattr(values, "dtype") or isinstance(values, (
+            str, bytes, collections.abc.Mapping)) or not isinstance(
+                values, collections.abc.Iterable):
         raise _wrong_type(name, values, expected)
     return list(values)
 
 
 def _gradient(index, grad, variable):
     """`grad` as a tensor, IndexedSlices or None, checked (for `variable`)."""
-    def which():  # Only for a message: a summary costs more than a check.
+    def which():  # A summary costs more than the check: made on refusal.
         if variable is _NO_VARIABLE:
             return f"gradient {index}"
         return f"gradient {index} (for variable {summary(_name(variable))})"
 
-    # Looked up on the class: a Keras variable computes `dtype` and `shape`
-    # on each read, which costs more than the whole check.
+    # On the class: a Keras variable computes `dtype` and `shape` per read.
     kind = type(variable)
     if variable is not _NO_VARIABLE and not (hasattr(kind, "assign") and (
             hasattr(kind, "dtype") and hasattr(kind, "shape"))):

@@ -1,9 +1,7 @@
 """Every private TensorFlow, Keras and tf-keras API tf_lossscale relies on.
 
-The rest of the package reaches other libraries' internals (private modules,
-`tf.__internal__`, underscored attributes and overrides) only through here:
-`tests/tools/test_private_api.py` probes every entry on the installed
-releases and fails naming it. tf_keras is imported only when called.
+`tests/tools/test_private_api.py` probes each entry on the installed
+releases. tf_keras is imported only when called.
 """
 
 # pylint: disable=protected-access
@@ -24,8 +22,6 @@ def in_xla_context():
 
 
 # --- TensorFlow: checkpoint dependencies --------------------------------------
-# Objects with named checkpoint dependencies; a wrapper whose dependencies
-# are the inner object's (tf-keras'); assignment that tracks nothing.
 Trackable = tf.__internal__.tracking.Trackable
 DelegatingTrackableMixin = tf.__internal__.tracking.DelegatingTrackableMixin
 no_automatic_dependency_tracking = (
@@ -63,8 +59,8 @@ class SavedTensors(Trackable):
 
 
 class _Handover(dict):
-    """Hands each entry TF files as deferred (`setdefault(name,
-    []).append(position)`) to `receive(name, position)`, keeping none."""
+    """Hands each restore TF defers (`setdefault(name, []).append(position)`)
+    to `receive(name, position)`, keeping none."""
 
     def __init__(self, receive):
         super().__init__()
@@ -82,8 +78,8 @@ class RestoreReceiver(Trackable):
     `CheckpointPosition`), as no dependency matches it."""
 
     def saved_child_names(self, position, trackable):
-        """The saved children's names of the object `position`'s restore
-        put into `trackable` (None if none); looked up once per restore."""
+        """The saved children's names of what `position`'s restore put into
+        `trackable` (None if nothing); looked up once per restore."""
         coordinator = position.checkpoint
         key = (coordinator.restore_uid, id(trackable))
         cached = getattr(self, "_saved_child_names", (None, None))
@@ -167,9 +163,8 @@ class _KeepsSums:
 
 
 def tf1_apply_summed(optimizer, grads_and_vars, global_step=None, name=None):
-    """A TF1 optimizer's `apply_gradients` in a replica context, for
-    gradients already summed over the replicas: its `_distributed_apply`
-    (where `apply_gradients` sums them) with a strategy that keeps sums."""
+    """A TF1 optimizer's `apply_gradients`, in a replica context, of
+    gradients already summed over the replicas."""
     if not tf.distribute.has_strategy():
         return optimizer.apply_gradients(grads_and_vars, global_step, name)
     pairs = [(grad, var) for grad, var in grads_and_vars if grad is not None]
@@ -187,8 +182,7 @@ def variable_key(variable):
 
 
 # --- Keras 3 ------------------------------------------------------------------
-# A Keras optimizer's checkpoint dependency names: its iterations, its
-# learning rate, its list of every variable.
+# A Keras optimizer's checkpoint dependency names.
 KERAS_ITERATIONS = "_iterations"
 KERAS_LEARNING_RATE = "_learning_rate"
 KERAS_VARIABLES = "_variables"
@@ -210,9 +204,8 @@ def keras_variable_index(optimizer, variable):
 
 
 def keras_load_own_variables_once(optimizer, load):
-    """The next `optimizer.load_own_variables(store)` Keras saving makes
-    calls `load(store)` instead, once: Keras looks the method up on the
-    instance, and the hook sits in `__dict__`, past Keras' tracking."""
+    """The next `optimizer.load_own_variables(store)` calls `load(store)`
+    instead, once (the hook sits in `__dict__`, past Keras' tracking)."""
     def load_own_variables(store):
         del optimizer.__dict__["load_own_variables"]
         load(store)
@@ -220,15 +213,13 @@ def keras_load_own_variables_once(optimizer, load):
     optimizer.__dict__["load_own_variables"] = load_own_variables
 
 
-# Set, in the replica's own thread (MirroredStrategy runs each replica in a
-# thread of its own), while `keras_apply_summed` applies.
+# Set while `keras_apply_summed` applies, in the replica's own thread.
 _APPLYING_SUMS = threading.local()
 
 
 def keras_apply_summed(optimizer, grads, variables):
-    """`optimizer.apply(grads, variables)` for gradients already summed over
-    the replicas: the TensorFlow backend's `_all_reduce_sum_gradients` (its
-    all-reduce, in the replica context of `apply`) passes them through."""
+    """`optimizer.apply(grads, variables)` of gradients already summed over
+    the replicas: its all-reduce passes them through."""
     if "_all_reduce_sum_gradients" not in optimizer.__dict__:
         sum_gradients = optimizer._all_reduce_sum_gradients
 
@@ -237,7 +228,7 @@ def keras_apply_summed(optimizer, grads, variables):
                 return list(grads_and_vars)
             return sum_gradients(grads_and_vars)
 
-        # In `__dict__`, past Keras' tracking, as `keras_load_own_variables_once`.
+        # In `__dict__`, past Keras' tracking.
         optimizer.__dict__["_all_reduce_sum_gradients"] = sum_unless_summed
     _APPLYING_SUMS.active = True
     try:
@@ -249,7 +240,7 @@ def keras_apply_summed(optimizer, grads, variables):
 def init_without_keras_loss_scale_optimizer(optimizer, name):
     """Initialises a subclass of `keras.optimizers.LossScaleOptimizer` as a
     plain optimizer (learning rate 0, unused), skipping that class's
-    `__init__`; `compile` under `mixed_float16` keeps it as it is."""
+    `__init__`."""
     import keras  # pylint: disable=g-import-not-at-top
     keras.optimizers.Optimizer.__init__(  # pylint: disable=non-parent-init-called
         optimizer, learning_rate=0.0, name=name)
@@ -257,9 +248,8 @@ def init_without_keras_loss_scale_optimizer(optimizer, name):
 
 # --- Keras 3 and tf-keras -----------------------------------------------------
 def flatten_layers(layer):
-    """`layer` and every layer it tracks, recursively, depth first: Keras
-    has no public walk into the layers a layer makes itself (a KerasHub
-    transformer block's attention and dense layers)."""
+    """`layer` and every layer it tracks, recursively, depth first (Keras
+    has no public walk into the layers a layer makes itself)."""
     return layer._flatten_layers(include_self=True, recursive=True)
 
 
@@ -269,11 +259,10 @@ TF_KERAS_WRAPPED = "_is_wrapped_by_loss_scale_optimizer"
 
 
 def tf_keras_loss_scale_optimizers():
-    """tf-keras' module of wrappers, which delegate to `_optimizer` (and can
-    be subclassed, `__init__` skipped): `BaseLossScaleOptimizer`,
-    `LossScaleOptimizerV3`, the legacy `LossScaleOptimizer`; and of
-    `FakeOptimizerForRestoration(inner)`, which hands `inner` the slots a
-    TF 2.2 wrapper saved under `base_optimizer`."""
+    """tf-keras' module of wrappers (`BaseLossScaleOptimizer`,
+    `LossScaleOptimizerV3`, `LossScaleOptimizer`, which delegate to
+    `_optimizer`) and of `FakeOptimizerForRestoration(inner)`, which hands
+    `inner` the slots a TF 2.2 wrapper saved under `base_optimizer`."""
     from tf_keras.src.mixed_precision import loss_scale_optimizer  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
     return loss_scale_optimizer
 
@@ -284,7 +273,6 @@ def tf_keras_create_all_weights(inner_optimizer, var_list):
 
 
 def tf_keras_aggregate_legacy(inner_optimizer, pairs):
-    """`pairs` aggregated as `OptimizerV2.apply_gradients` does, with the
-    hooks subclasses override."""
+    """`pairs` aggregated as `OptimizerV2.apply_gradients` does."""
     pairs = inner_optimizer._transform_unaggregated_gradients(pairs)
     return inner_optimizer._aggregate_gradients(pairs)

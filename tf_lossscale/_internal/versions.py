@@ -2,8 +2,7 @@
 
 `check` refuses a missing or older release with an ImportError saying what
 to install; `warn_untested` warns once per package about a newer one.
-setup.py and .ci/run read this file with `runpy.run_path`: standard library
-imports only. Why TensorFlow is an extra: docs/index.md, "Installing".
+setup.py and .ci/run run this file: standard library imports only.
 """
 
 import importlib

@@ -1,8 +1,5 @@
-"""`MixedPrecisionLossScaleOptimizer`: loss scaling for `tf.compat.v1.train`.
-
-The drop-in for `tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer`
-(docs/guides/tf1.md); the step is `loss_scaled_step`'s, as the Keras ones'.
-"""
+"""`MixedPrecisionLossScaleOptimizer`: loss scaling for `tf.compat.v1.train`
+(docs/guides/tf1.md)."""
 
 import tensorflow as tf
 
@@ -96,8 +93,8 @@ class MixedPrecisionLossScaleOptimizer(tf.compat.v1.train.Optimizer):
         grads, variables = checks.pairs(grads_and_vars)
         grads = checks.gradients(grads, variables)
         name = name or self.get_name()
-        # TensorFlow's wrapper's name for the inner op; one object for every
-        # replica (merge_call regroups distinct, even equal, strings).
+        # TensorFlow's wrapper's name for the inner op; one string object
+        # for every replica (merge_call regroups distinct ones).
         inner_name = name + "-wrapped"
 
         def apply(grads, variables):

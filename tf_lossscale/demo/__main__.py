@@ -1,6 +1,5 @@
-"""`python -m tf_lossscale.demo`: the demo's command line. Its flags are
-registered when the command runs, not when the demo is imported, so importing
-it leaves absl's global flags alone."""
+"""`python -m tf_lossscale.demo`: the demo's command line (its flags are
+registered when it runs, not on import)."""
 
 import sys
 
@@ -13,8 +12,7 @@ from tf_lossscale.demo import training
 
 
 def define_flags(values=flags.FLAGS):
-    """Registers the demo's flags in `values` (absl's `FlagValues`):
-    `--config` and the options of `run`, checked as `run` checks them."""
+    """Registers the demo's flags in `values` (absl's `FlagValues`)."""
     for define, name, default, help_text in (
             (flags.DEFINE_string, "config", None, "path to a JSON training "
              "config; keys it leaves out take their defaults "
@@ -43,8 +41,7 @@ def _run(argv):
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     values = flags.FLAGS
     if not values["verbosity"].present:
-        # absl logs INFO by default, and tf.distribute's INFO lines would
-        # bury the progress bar.
+        # tf.distribute's INFO lines would bury the progress bar.
         logging.set_verbosity(logging.WARNING)
     try:
         # Before the config builds its loss scale and optimizer.

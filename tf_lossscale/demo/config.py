@@ -1,7 +1,6 @@
-"""The demo's configuration: a frozen dataclass read from a JSON file
-(`configs/demo.json` spells out the defaults), and the options of `run`,
-which are also the command line's flags. A bad key, value or option raises
-`ConfigError` naming it and the value."""
+"""The demo's configuration, read from a JSON file (`configs/demo.json`
+spells out the defaults), and the options of `run` (the command line's
+flags)."""
 
 import copy
 import dataclasses
@@ -50,8 +49,7 @@ def _optional_path(suffix=""):
 
 
 # What a value must be, and a check that returns whether it is (or raises
-# TypeError/ValueError saying why not). Config keys not listed: ints >= 1.
-# (tf_lossscale.get returns null, false: it names no loss scale.)
+# saying why not). Config keys not listed: ints >= 1.
 _KINDS = {
     "loss_scale": ("a tf_lossscale.get identifier: a number, 'dynamic' or "
                    "{'class_name': ..., 'config': {...}}", tf_lossscale.get),
@@ -87,9 +85,8 @@ def check(name, value, kind, is_usable):
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """The demo's training config. Checking the loss scale and the optimizer
-    builds them, which creates variables: with more than one device, call
-    `training.configure_devices` before making a config."""
+    """The demo's training config. Checking it creates variables: with more
+    than one device, call `training.configure_devices` first."""
 
     loss_scale: Any = dataclasses.field(default_factory=lambda: {
         "class_name": "DynamicLossScale",

@@ -19,7 +19,7 @@ class MissingExtraError(ImportError):
 
 def configure_devices(num_devices):
     """Splits the CPU into `num_devices` logical devices unless it has enough
-    (possible only before TensorFlow initialises its devices)."""
+    (only before TensorFlow initialises its devices)."""
     cpu = tf.config.list_physical_devices("CPU")[0]
     if len(tf.config.get_logical_device_configuration(cpu) or [cpu]) < (
             num_devices):
@@ -28,11 +28,11 @@ def configure_devices(num_devices):
 
 
 def make_strategy(num_devices):
-    """MirroredStrategy over the first `num_devices` CPUs (reducing through
-    one device, so that a process can run it with several device counts);
-    the default strategy for one."""
+    """MirroredStrategy over the first `num_devices` CPUs; the default
+    strategy for one."""
     if num_devices == 1:
         return tf.distribute.get_strategy()
+    # Reduced through one device: a process can run several device counts.
     return tf.distribute.MirroredStrategy(
         [f"/cpu:{index}" for index in range(num_devices)],
         cross_device_ops=tf.distribute.ReductionToOneDevice())
@@ -51,12 +51,9 @@ def synthetic_data(config):
 
 def training_dataset(features, labels, batch_size, steps,
                      inject_nonfinite_every=0):
-    """Exactly `steps` batches, cycling through the examples in order.
-
-    With `inject_nonfinite_every=N` > 0, the first feature of the last
-    example of every N-th batch is NaN. A distributed dataset hands out a
-    batch in consecutive slices, so that example goes to the last replica.
-    """
+    """Exactly `steps` batches, cycling through the examples in order; with
+    `inject_nonfinite_every=N` > 0 every N-th batch's last example (the last
+    replica's) has a NaN."""
     dataset = (tf.data.Dataset.from_tensor_slices((features, labels))
                .repeat().batch(batch_size, drop_remainder=True).take(steps))
     if inject_nonfinite_every:
@@ -116,8 +113,7 @@ class DemoResult:
 
 def run(config, steps=None, num_devices=1, inject_nonfinite_every=0,
         logdir=None, plot=None, log_skips=False, verbose=1):
-    """Trains the demo model as `config` (a `Config`) and the options (the
-    command line's flags: `config.OPTIONS`) say, with Keras' `verbose`;
+    """Trains the demo model as `config` and the options (the flags) say;
     returns a `DemoResult`.
 
     Raises (before training):
@@ -190,10 +186,9 @@ def run(config, steps=None, num_devices=1, inject_nonfinite_every=0,
 
 
 def plot_loss_scale(result, path):
-    """Writes a PNG of `result`'s loss scale over the steps to `path`, with
-    matplotlib's Agg backend (not pyplot), skipped steps marked."""
+    """Writes a PNG of `result`'s loss scale over the steps to `path`."""
     # pylint: disable=g-import-not-at-top
-    from matplotlib import figure
+    from matplotlib import figure  # Not pyplot: no global figure state.
     # Step k ran with the scale before it, loss_scales[k - 1].
     steps = np.arange(1, len(result.loss_scales))
     used = np.asarray(result.loss_scales[:-1])

@@ -1,8 +1,7 @@
 """`LossScaleOptimizer`: the Keras 3 optimizer wrapper driven by a `LossScale`.
 
-A `keras.optimizers.LossScaleOptimizer`, so that `compile` under
-`mixed_float16` keeps it, with none of that class's behaviour: the step is
-`loss_scaled_step`'s, saving `keras3.saving`'s (docs/guides/keras.md).
+A `keras.optimizers.LossScaleOptimizer` (`compile` keeps it) with none of
+that class's behaviour (docs/guides/keras.md).
 """
 
 import functools
@@ -25,14 +24,13 @@ from tf_lossscale.step import optimizer_protocol
 
 _NOT_GIVEN = object()
 
-# Keys tf-keras 2.11+ wrote into optimizer configs, which Keras 3 optimizers
-# refuse although they never change what an optimizer computes.
+# Keys tf-keras wrote into optimizer configs, which Keras 3 refuses.
 _TF_KERAS_ONLY_KEYS = ("is_legacy_optimizer", "jit_compile")
 
 
 class _OneNameForEveryKeras(type):
     """`isinstance(opt, tf_lossscale.LossScaleOptimizer)` also holds for the
-    tf-keras wrappers, which subclass tf-keras' own wrapper instead."""
+    tf-keras wrappers."""
 
     def __instancecheck__(cls, instance):
         return super().__instancecheck__(instance) or issubclass(
@@ -52,8 +50,7 @@ def _tf_keras_wrapper_classes():
 
 def _for_tf_keras(inner_optimizer):
     """Whether `inner_optimizer` gets a tf-keras wrapper: a tf-keras
-    optimizer; with `tf.keras` being tf-keras, anything but a Keras 3
-    optimizer, so that a mistake is refused in tf-keras' terms."""
+    optimizer, or (with `tf.keras` being tf-keras) no Keras 3 optimizer."""
     return optimizer_protocol.comes_from_tf_keras(inner_optimizer) or bool(
         optimizer_protocol.tf_keras_is_tf_keras() and _tf_keras_wrapper_classes()
         and not isinstance(inner_optimizer, keras.optimizers.Optimizer))
@@ -164,9 +161,7 @@ class LossScaleOptimizer(saving.SavedState,
 
     # The step's replaceable parts; the benchmark's ablations swap one.
     _step_parts = loss_scaled_step.FULL_STEP
-    # Set by a model scaled per layer when compiled with this optimizer
-    # (`tf_lossscale.layerwise`): its steps then scale, unscale and check
-    # each segment on its own. Not state: never saved.
+    # Set by a model scaled per layer (`tf_lossscale.layerwise`); not saved.
     _gradient_scaling = None
 
     def apply_gradients(self, grads_and_vars):
@@ -177,10 +172,9 @@ class LossScaleOptimizer(saving.SavedState,
     def apply(self, grads, trainable_variables=None):
         """Applies `grads` unless the loss scale says this step overflowed.
 
-        In a replica context (`fit`, `strategy.run`, or no strategy), else
-        `ReplicaContextError`. `trainable_variables` defaults to those the
-        optimizer was built with. A refused argument changes nothing, not
-        even the build."""
+        In a replica context, else `ReplicaContextError`.
+        `trainable_variables` defaults to those the optimizer was built
+        with. A refused argument changes nothing, not even the build."""
         checks.replica_context()
         replicas.check_supported()
         if trainable_variables is not None:
@@ -210,9 +204,8 @@ class LossScaleOptimizer(saving.SavedState,
             self._skip_record, stats=stats, parts=parts)
 
     def get_unscaled_gradients(self, grads):
-        """TF 2.x protocol: returns `grads / scale`; refused (ValueError)
-        for a model scaled per layer, whose gradients each have their
-        segment's scale: use `scale_loss` and `apply_gradients` instead."""
+        """TF 2.x protocol: returns `grads / scale`; ValueError for a model
+        scaled per layer (use `scale_loss` and `apply_gradients`)."""
         if self._gradient_scaling is not None:
             raise ValueError(
                 "get_unscaled_gradients cannot unscale the gradients of a "
@@ -227,8 +220,8 @@ class LossScaleOptimizer(saving.SavedState,
             "backend); use apply or apply_gradients")
 
     def finalize_variable_values(self, var_list):
-        """The inner optimizer's; first, at the end of `fit`, raises what XLA
-        steps left to the host (`tf_lossscale.loss_scales.xla_checks`)."""
+        """The inner optimizer's; first raises what XLA steps left to the
+        host (`xla_checks`)."""
         xla_checks.act(self)
         self.inner_optimizer.finalize_variable_values(var_list)
 

@@ -1,10 +1,7 @@
 """How the Keras 3 `LossScaleOptimizer` saves its state, and what it restores.
 
-`SavedState` writes `.keras` and `.weights.h5` files (`save_own_variables`)
-and names the checkpoint dependencies (`_checkpoint_children`) so that the
-files and checkpoints of a plain optimizer, of Keras 3's wrapper and of every
-earlier release load, before or after the optimizer is built. The layout,
-and how a restore is routed: docs/guides/saving.md, "What the files hold".
+The layout, and how a restore is routed: docs/guides/saving.md, "What the
+files hold".
 """
 
 import warnings
@@ -14,14 +11,13 @@ import tensorflow as tf
 
 from tf_lossscale._internal import private_api
 
-# What wrappers' checkpoints (earlier releases', Keras 3's) hold at the top
-# level for the wrapper's own, never-used `iterations` and `learning_rate`.
+# What wrappers' checkpoints hold for their own unused iterations and
+# learning rate.
 _PLACEHOLDER_VALUES = {private_api.KERAS_ITERATIONS: 0,
                        private_api.KERAS_LEARNING_RATE: 0.0}
 _LOSS_SCALE_KEY = "loss_scale.{}"
 _FLAGS_KEY = "last_nonfinite"
-# The wrapper's own checkpoint dependencies: restores pending under these
-# names stay with the wrapper.
+# The wrapper's own checkpoint dependencies.
 _WRAPPER_NAMES = ("inner_optimizer", "loss_scale", "_skipped_steps")
 
 
@@ -35,8 +31,7 @@ class SavedState(private_api.ChoosesCheckpointChildren):
                 *self._loss_scale.variables, *self.inner_optimizer.variables]
 
     def _indexed_variables(self):
-        """The variables stored under "0", "1", ..., in the first release's
-        order."""
+        """The variables stored under "0", "1", ..."""
         return [v for v in private_api.keras_own_variables(self)
                 if v is not self._last_nonfinite
                 ] + list(self.inner_optimizer.variables)
@@ -51,10 +46,9 @@ class SavedState(private_api.ChoosesCheckpointChildren):
 
     def load_own_variables(self, store):
         """Restores what `save_own_variables` of any release wrote, or a plain
-        optimizer's store into the inner optimizer (the scale keeps its initial
-        value). Like Keras, an optimizer whose variable count matches neither
-        (not built yet) is left untouched, scale included, with a warning: a
-        restored scale with fresh slots would be a state no run ever had.
+        optimizer's store into the inner optimizer. Like Keras, an optimizer
+        whose variable count matches neither (not built yet) is left
+        untouched, scale included, with a warning.
 
         Raises:
           TypeError, ValueError: a stored loss-scale value cannot be assigned
@@ -66,8 +60,7 @@ class SavedState(private_api.ChoosesCheckpointChildren):
             for index, variable in enumerate(inner.variables):
                 variable.assign(store[str(index)])
             # Keras loads the inner optimizer next, from its own entry, which
-            # a plain optimizer's file lacks: its warning ("Skipping variable
-            # loading ... 0 variables") would call the state just loaded lost.
+            # a plain optimizer's file lacks: spare it a false warning.
             def load_unless_empty(inner_store):
                 if list(inner_store.keys()):
                     inner.load_own_variables(inner_store)
@@ -100,20 +93,18 @@ class SavedState(private_api.ChoosesCheckpointChildren):
 
     def _hand_pending_restores_to_inner(self):
         """Called by `build` before the inner optimizer builds: restores
-        pending on the wrapper under names not its own (the inner optimizer's
-        slot lists, `_momentums`, ...) move to the inner optimizer, which
-        creates those dependencies: its own tracking restores them."""
+        pending on the wrapper under names not its own (the inner
+        optimizer's slot lists) move to the inner optimizer."""
         pending = private_api.pending_restores(self)
         for name in [name for name in pending if name not in _WRAPPER_NAMES]:
             private_api.defer_restores(self.inner_optimizer, name,
                                        pending.pop(name))
 
     def _checkpoint_children(self, found, save_type, **kwargs):
-        """The wrapper's checkpoint dependencies from `found`, those
-        automatic tracking found (docs/guides/saving.md)."""
-        # SaveType is a str enum; SavedModels keep the default dependencies.
-        # Keras asks for them while constructing, before the inner optimizer
-        # is attached.
+        """The wrapper's checkpoint dependencies from those automatic
+        tracking `found`."""
+        # SavedModels keep the default dependencies, as does a wrapper still
+        # being constructed.
         if save_type != "checkpoint" or "inner_optimizer" not in found:
             return found
         children = private_api.trackable_children(
@@ -125,10 +116,9 @@ class SavedState(private_api.ChoosesCheckpointChildren):
             # A learning-rate schedule is not a variable and is not saved.
             if hasattr(children.get(name), "assign"):
                 children[name] = _alias(self, name, children[name])
-        # The wrapper's own placeholders (its unused iterations and learning
-        # rate, its own variable lists) are not saved: their names belong to
-        # the inner optimizer's state now. `_last_nonfinite` is left out: a
-        # dependency older checkpoints lack would fail `assert_consumed()`.
+        # The wrapper's own placeholders are not saved: their names are the
+        # inner optimizer's. `_last_nonfinite` is left out: a dependency
+        # older checkpoints lack would fail `assert_consumed()`.
         children.update({name: found[name] for name in _WRAPPER_NAMES})
         # One object per optimizer (cached past Keras' tracking, as `_alias`).
         children[private_api.KERAS_VARIABLES] = self.__dict__.setdefault(
@@ -137,9 +127,8 @@ class SavedState(private_api.ChoosesCheckpointChildren):
 
 
 def _alias(optimizer, name, variable):
-    """The optimizer's one alias for `variable` under `name`: a checkpoint
-    must see the same object each time. Cached in `__dict__`, past Keras'
-    tracking, so that the cache is no dependency."""
+    """The optimizer's one alias for `variable` under `name` (a checkpoint
+    must see the same object each time), cached past Keras' tracking."""
     aliases = optimizer.__dict__.setdefault("_checkpoint_aliases", {})
     alias = aliases.get(name)
     if alias is None or alias.variable is not variable:
@@ -148,10 +137,9 @@ def _alias(optimizer, name, variable):
 
 
 class _Alias(private_api.SavedTensors):
-    """One inner-optimizer variable under a plain name, as a separate object
-    so that the variable keeps its own checkpoint key. Restoring `placeholder`
-    (what earlier releases and Keras 3 wrote for their unused own state)
-    leaves the variable alone: its value arrives through `inner_optimizer/`."""
+    """One inner-optimizer variable under a plain name, keeping its own
+    checkpoint key. Restoring `placeholder` (a wrapper's unused own state)
+    leaves the variable alone: its value comes through `inner_optimizer/`."""
 
     def __init__(self, variable, placeholder):
         self.variable = variable
@@ -174,15 +162,12 @@ class _Alias(private_api.SavedTensors):
 
 
 class _PlainVariables(private_api.RestoreReceiver):
-    """The wrapper's `_variables` in checkpoints: the inner optimizer's, as a
-    plain optimizer lists them; restoring, a plain optimizer's entry goes to
-    the same index of the inner optimizer's own list (now, or when Keras
-    appends it), a wrapper's is ignored (its inner state comes through
-    `inner_optimizer/`)."""
+    """The wrapper's `_variables` in checkpoints: the inner optimizer's;
+    restoring, a plain optimizer's entry goes to the same index of the inner
+    optimizer's list, a wrapper's is ignored."""
 
     def __init__(self, optimizer):
-        # No cycle with the optimizer, which caches this object: checkpoints
-        # reach it only through the living optimizer.
+        # No cycle with the optimizer, which caches this object.
         self._optimizer = weakref.ref(optimizer)
 
     def children(self):

@@ -1,6 +1,5 @@
-"""`LossScaleMonitor`: the Keras callback that puts the loss scale and the
-skipped steps in Keras' logs, and prints skipped steps by burst
-(docs/guides/monitoring.md)."""
+"""`LossScaleMonitor`: the Keras callback that logs the loss scale and the
+skipped steps (docs/guides/monitoring.md)."""
 
 import keras
 
@@ -11,15 +10,14 @@ from tf_lossscale.monitor import gradient_stats
 from tf_lossscale.monitor import xla_callback
 from tf_lossscale.ops import float16
 
-# Skips at most this many steps apart belong to one burst (a line for its
-# first skip, one summary line for the rest).
+# Skips at most this many steps apart belong to one burst.
 BURST_GAP_STEPS = 10
 # A burst still going on is summarized after this many unreported skips.
 BURST_SUMMARY_SKIPS = 100
-# Variables named in a line; a large model can have hundreds overflow at once.
+# Variables named in a line.
 _MAX_NAMED_VARIABLES = 5
-# Keras 3 before 3.11 passes a batch end the first step of its execution of
-# `steps_per_execution` steps; later Keras 3 and tf-keras pass its last.
+# Keras 3 before 3.11 passes a batch end the first step of its execution;
+# later Keras 3 and tf-keras pass its last.
 _BATCH_END_NAMES_FIRST_STEP = versions.release_series(keras.__version__) < (
     3, 11)
 
@@ -29,15 +27,14 @@ def _steps(first, last):
 
 
 class _SkipPrinter:
-    """Prints one `fit`'s skipped steps: a line for the first skip of a burst
-    (naming the variables that overflowed: one small read), one for the rest
-    when the burst ends or has `BURST_SUMMARY_SKIPS` of them."""
+    """Prints one `fit`'s skipped steps: a line for the first skip of a burst,
+    one for the rest when it ends or has `BURST_SUMMARY_SKIPS` of them."""
 
     def __init__(self, optimizer, label=None):
         self._optimizer = optimizer
         self._who = "" if label is None else f" {label}:"
         self._last = None  # The burst's last skipped step; None: no burst.
-        self._rest = None  # [skips, first step, scale before, after] unprinted.
+        self._rest = None  # Unprinted [skips, first step, before, after].
 
     def report(self, skips, first_step, last_step, before, after):
         """Takes a batch end: `skips` of the steps `first_step` to
@@ -84,8 +81,7 @@ class _SkipPrinter:
 
 
 class _Monitor(xla_callback.FitWatcher):
-    """`LossScaleMonitor` on either Keras' Callback (the next class in the
-    MRO): `XlaChecks` whose read of the scale after each batch acts."""
+    """`LossScaleMonitor` on either Keras' Callback (next in the MRO)."""
 
     def __init__(self, verbose=False, gradient_stats=False, *,
                  optimizers=None):
@@ -100,10 +96,8 @@ class _Monitor(xla_callback.FitWatcher):
         self._stats = None
 
     def _read(self):
-        """`({label: scale}, {label: skipped steps})`: one device read each
-        and nothing else, as this runs after every batch; a loss scale
-        several optimizers share (a `LossScaleGroup`'s) is read once. Reading
-        the scale first acts on what XLA steps left to the host."""
+        """`({label: scale}, {label: skipped steps})`, one device read each
+        (a shared scale once); reading the scale acts on XLA's records."""
         scales, skipped = {}, {}
         with self._ending_on_error():
             read = {}
@@ -131,8 +125,7 @@ class _Monitor(xla_callback.FitWatcher):
             if self._stats is not None:
                 (logs["grad_underflow_share"],
                  logs["grad_headroom_log2"]) = self._stats.read()
-            # A model scaled per layer (tf_lossscale.layerwise): each
-            # segment's factor, one more small read.
+            # A model scaled per layer: each segment's factor.
             for optimizer in self._watched.values():
                 scaling = getattr(optimizer, "_gradient_scaling", None)
                 if scaling is not None:
@@ -173,8 +166,7 @@ class _Monitor(xla_callback.FitWatcher):
         self._scale, self._skipped = scale, skipped
 
     def _last_step(self, batch):
-        # The last step (from 0 in the epoch) of the batch end's execution,
-        # which may be shorter than steps_per_execution at the epoch's end.
+        # The last step (from 0 in the epoch) of the batch end's execution.
         if _BATCH_END_NAMES_FIRST_STEP and isinstance(
                 self, keras.callbacks.Callback):
             batch += int(self.model.steps_per_execution) - 1
@@ -202,9 +194,8 @@ class LossScaleMonitor(_Monitor, xla_callback.EitherKeras,
     (and, for a model scaled per layer, each segment's factor as
     `gradient_factor/<its first layer>`: `tf_lossscale.layerwise`).
 
-    List it before the callbacks that should see the two values (the progress
-    bar and `History` always come after it). It costs two small reads from the
-    device per batch end, and does what `XlaChecks` does.
+    List it before the callbacks that should see them (the progress bar and
+    `History` come after it). It does what `XlaChecks` does.
 
     With `optimizers` (a custom `train_step` stepping several optimizers,
     a GAN's), the logs hold `loss_scale` once when they share one loss scale

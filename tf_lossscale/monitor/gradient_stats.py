@@ -1,8 +1,5 @@
-"""Per-step gradient statistics of `LossScaleMonitor(gradient_stats=True)`:
-attached to an optimizer, they are recorded by every step traced while they
-are (skipped steps included, over all replicas: each replica's figures ride
-the gradients' own all-reduce). Their variable is not state (not saved, not
-tracked)."""
+"""Per-step gradient statistics of `LossScaleMonitor(gradient_stats=True)`,
+recorded by the steps of the optimizer they are attached to (not state)."""
 
 import math
 
@@ -15,8 +12,7 @@ from tf_lossscale.ops import replicas
 
 class StepGradientStats:
     """The statistics of one optimizer's steps over the gradients of the
-    `watched` variables, in a variable of `strategy` (by default the current
-    one)."""
+    `watched` variables, in a variable of `strategy` (default: current)."""
 
     def __init__(self, watched, strategy=None):
         self._watched = {id(variable) for variable in watched}
@@ -29,17 +25,14 @@ class StepGradientStats:
                 aggregation=tf.VariableAggregation.NONE)
 
     def selection(self, variables):
-        """What the step core writes for a step over `variables` (in the
-        order of its gradients)."""
+        """What the step writes for a step over `variables`."""
         return _Selection(self.values,
                           [id(v) in self._watched for v in variables])
 
     def read(self):
-        """Host side (one device read): of the last recorded step, the share
-        of the watched values that were zero or subnormal in float16 (0.0
-        before any step, or with nothing watched), and log2(65504 / their
-        largest), the doublings of the scale left before it overflows float16
-        (-inf after NaN/Inf, +inf when all were 0)."""
+        """Of the last recorded step (one device read): the share of watched
+        values zero or subnormal in float16 (0.0 before any step), and
+        log2(65504 / their largest) (-inf after NaN/Inf, +inf for all 0)."""
         tiny, count, largest = (float(v) for v in self.values.numpy())
         return (tiny / count if count else 0.0,
                 float16.headroom_log2(largest) if largest else math.inf)
@@ -53,12 +46,10 @@ class _Selection:
         self._mask = mask
 
     def measure(self, grads, loss_scale):
-        """In the step's replica context (or without a strategy): this
-        replica's statistics of its unscaled `grads` at the scale the step
-        runs with (`loss_scale()`, before its update), as a float32 vector
-        that rides the gradients' all-reduce: `[tiny, count]`, then one slot
-        a replica, this replica's largest scaled magnitude in its own (the
-        sum of a slot is its replica's value: the largest is a maximum)."""
+        """In the step's replica context: this replica's statistics of its
+        unscaled `grads` at `loss_scale()`, as a vector to sum over the
+        replicas: `[tiny, count]`, then a slot a replica holding, in this
+        replica's own, its largest scaled magnitude."""
         with tf.name_scope("gradient_stats"):
             tiny, count, largest = tf.unstack(float16.scaled_gradient_stats(
                 [g for g, keep in zip(grads, self._mask) if keep],
@@ -73,8 +64,8 @@ class _Selection:
             return tf.concat([tf.stack([tiny, count]), largest], axis=0)
 
     def write(self, summed):
-        """Cross-replica context: records `measure`'s vector summed over the
-        replicas; returns the assign op."""
+        """Records `measure`'s vector summed over the replicas; returns the
+        assign op."""
         def record(summed):
             return self._values.assign(tf.stack([
                 summed[0], summed[1], tf.reduce_max(summed[2:])]))
@@ -84,7 +75,7 @@ class _Selection:
 
 def attach(optimizer, watched, strategy=None):
     """Makes `optimizer`'s steps traced from now on record their stats;
-    returns the `StepGradientStats`. Replaces any attached before."""
+    returns the `StepGradientStats`."""
     stats = StepGradientStats(watched, strategy)
     # Past Keras' and TensorFlow's automatic tracking: not saved state.
     object.__setattr__(optimizer, "_gradient_stats", stats)

@@ -1,7 +1,6 @@
 """`XlaChecks`, the Keras callback that carries out after each batch what an
-XLA-compiled step cannot, and what it shares with `LossScaleMonitor`: the
-optimizer check, the watch over one `fit` (docs/guides/xla.md), and the
-tf-keras twin of each."""
+XLA-compiled step cannot (docs/guides/xla.md), and what it shares with
+`LossScaleMonitor`."""
 
 import contextlib
 import functools
@@ -17,8 +16,7 @@ from tf_lossscale.step import optimizer_protocol
 def check_optimizer(optimizer, where="model.optimizer",
                     who="LossScaleMonitor"):
     """Returns `optimizer` if a tf_lossscale wrapper, else raises TypeError
-    naming `who` needs it, `where` it was found, and the fix when Keras' own
-    wrapper is what `compile` left."""
+    naming `who` needs it and `where` it was found."""
     if isinstance(optimizer, optimizer_protocol.ScaledLossProtocol):
         return optimizer
     kind = type(optimizer)
@@ -37,9 +35,8 @@ def check_optimizer(optimizer, where="model.optimizer",
 
 
 def optimizers_argument(optimizers):
-    """`{label: optimizer}` of a callback's `optimizers` argument (None,
-    a dict of labels to optimizers, or a list of optimizers, labelled by
-    their names), each checked (`check_optimizer`); None for None."""
+    """`{label: optimizer}` of a callback's `optimizers` argument, each
+    checked; None for None."""
     if optimizers is None:
         return None
     if isinstance(optimizers, dict):
@@ -62,9 +59,8 @@ def optimizers_argument(optimizers):
 
 
 class EitherKeras:
-    """Base of a callback class `C(Code, EitherKeras, keras.callbacks.Callback)`
-    whose behaviour is all in `Code`: when `tf.keras` is tf-keras
-    (`TF_USE_LEGACY_KERAS=1`), `C(...)` is `C.for_tf_keras(...)`."""
+    """Base of a callback `C(Code, EitherKeras, keras.callbacks.Callback)`:
+    when `tf.keras` is tf-keras, `C(...)` is `C.for_tf_keras(...)`."""
 
     def __new__(cls, *args, **kwargs):
         if (EitherKeras in cls.__bases__
@@ -91,12 +87,9 @@ def _tf_keras_twin(public):
 
 
 class FitWatcher:
-    """`XlaChecks` on either Keras' Callback (the next class in the MRO), and
+    """`XlaChecks` on either Keras' Callback (next in the MRO), and
     `LossScaleMonitor`'s base: an XLA watch over each `fit`, live while the
-    model keeps the train function it began with. Where the loss scale needs
-    the host, a model compiled with XLA makes its train function anew when
-    the watch starts (to trace the step under it) and when it ends after
-    such a trace (so that an unwatched `fit` fails before its first step)."""
+    model keeps the train function it began with (docs/guides/xla.md)."""
 
     def __init__(self, optimizers=None):
         super().__init__()
@@ -111,8 +104,7 @@ class FitWatcher:
 
     def _begin(self, act=True):
         """Checks the optimizers, watches the fit and returns them as
-        `{label: optimizer}`; with `act`, first acts on what unwatched calls
-        left in their records (raising it)."""
+        `{label: optimizer}`; with `act`, first acts on their records."""
         model = self.model
         optimizers = self._optimizers()
         for watch in self._watches:  # Left by a fit that died.
@@ -173,8 +165,7 @@ class XlaChecks(FitWatcher, EitherKeras, keras.callbacks.Callback):
     Under XLA a step can neither fail nor print, so `DynamicLossScale`'s state
     check, `on_min_loss_scale="raise"`/`"warn"` and `max_consecutive_skips`
     are carried out on the host, with the same errors and warnings, after
-    each executed call of a watched `fit` (one small read; none without
-    XLA). The XLA guide says how long a watch lasts and what it costs.
+    each executed call of a watched `fit` (docs/guides/xla.md).
 
     Args:
       optimizers: None (the default: the model's optimizer), or the

@@ -1,15 +1,11 @@
-"""`LossScaleOptimizer` for tf-keras (Keras 2) optimizers, both kinds.
-
-`tf_lossscale.LossScaleOptimizer(opt)` gives a tf-keras optimizer a subclass
-of tf-keras' own wrapper for its kind, with its delegation, checkpoint
-layout, exception types and phrases (docs/guides/tf-keras.md).
-"""
+"""`LossScaleOptimizer` for tf-keras (Keras 2) optimizers, both kinds:
+subclasses of tf-keras' own wrappers (docs/guides/tf-keras.md)."""
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from tf_lossscale._internal import versions
 
-# Before tf_keras' internals are reached: an unsupported tf-keras fails here
-# with an ImportError that says what to install, an untested one warns.
+# Before tf_keras is imported: an unsupported tf-keras fails with an
+# ImportError that says what to install, an untested one warns.
 versions.warn_untested([versions.check(versions.TF_KERAS)])
 
 import tensorflow as tf
@@ -49,9 +45,8 @@ def _check_strategy():
 
 
 class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
-    """What both classes add to tf-keras' wrappers. `variables` (which files
-    store in order) are the inner optimizer's, the loss scale's, then the
-    wrapper's own (`skipped_steps`, the overflow flags)."""
+    """What both classes add to tf-keras' wrappers. `variables`: the inner
+    optimizer's, the loss scale's, then the wrapper's own."""
 
     _INNER_BASE = None  # The inner optimizers' base class.
     _built_for = ()  # Set with the overflow flags (`_build`).
@@ -87,6 +82,13 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
                 aggregation=tf.VariableAggregation.NONE)
         private_api.track(self, self._skipped_steps, "skipped_steps")
 
+    @staticmethod
+    def _aggregates(skip_gradients_aggregation=False,
+                    experimental_aggregate_gradients=True):
+        """Whether the inner optimizer sums the gradients (not the caller)."""
+        return (experimental_aggregate_gradients
+                and not skip_gradients_aggregation)
+
     def _build(self, var_list):
         """Builds the inner optimizer and the per-variable overflow flags."""
         var_list = list(var_list)
@@ -109,8 +111,8 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
 
     def apply_gradients(self, grads_and_vars, name=None, **kwargs):
         """Applies the gradients, unscaled (`get_unscaled_gradients`) or scaled
-        (`scale_loss`), unless they are not all finite once aggregated across
-        replicas by the inner optimizer (`kwargs` are its), as in tf-keras."""
+        (`scale_loss`), if all are finite once aggregated across replicas by
+        the inner optimizer (`kwargs` are its)."""
         self.check_unscaled()
         checks.replica_context()
         _check_strategy()
@@ -119,9 +121,12 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
         grads, variables = checks.pairs(grads_and_vars)
         pairs = [(g, v) for g, v in zip(checks.gradients(grads, variables),
                                         variables) if g is not None]
+        # Summed by the inner optimizer, or by the caller who said so, which
+        # the step cannot take on trust.
         aggregated = self._aggregates(**kwargs)
-        grads, variables = (list(part) for part in zip(
-            *self._aggregate(pairs, **kwargs)))
+        if aggregated:
+            pairs = self._aggregate(pairs)
+        grads, variables = (list(part) for part in zip(*pairs))
         self._build(variables)
         if self._loss_scaled and not self._caller_unscales:
             grads = loss_scaled_step.unscale_for_apply(
@@ -130,8 +135,6 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
         def apply_fn(grads, variables):
             return self._apply_aggregated(list(zip(grads, variables)), name)
 
-        # Summed by the inner optimizer (`_aggregate`), or by the caller who
-        # said so, which the step cannot take on trust.
         parts = (loss_scaled_step.FULL_STEP if aggregated
                  else loss_scaled_step.summed_by_caller(
                      loss_scaled_step.FULL_STEP))
@@ -141,8 +144,7 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
         return self.iterations if step is None else step
 
     def _warn_if_not_scaled(self):
-        """tf-keras' warning for gradients of a loss never scaled, which are
-        applied as given (while tracing, in a `tf.function`)."""
+        """tf-keras' warning for gradients of a loss never scaled."""
         if self._loss_scaled:
             return
         forgot = ("get_scaled_loss() before calling LossScaleOptimizer."
@@ -221,17 +223,8 @@ class LossScaleOptimizer(_TfKerasWrapper, _tf_keras_lso.LossScaleOptimizerV3):
     def _build_inner(self, var_list):
         self._optimizer.build(var_list)
 
-    @staticmethod
-    def _aggregates(skip_gradients_aggregation=False,
-                    experimental_aggregate_gradients=True):
-        """Whether the inner optimizer sums the gradients (not the caller)."""
-        return (experimental_aggregate_gradients
-                and not skip_gradients_aggregation)
-
-    def _aggregate(self, pairs, **kwargs):
-        if not self._aggregates(**kwargs):
-            return pairs
-        return list(self._optimizer.aggregate_gradients(pairs))
+    def _aggregate(self, pairs):
+        return self._optimizer.aggregate_gradients(pairs)
 
     def _apply_aggregated(self, pairs, name):
         del name  # As tf-keras' wrapper: a subclass's apply may not take it.
@@ -244,8 +237,8 @@ class LossScaleOptimizer(_TfKerasWrapper, _tf_keras_lso.LossScaleOptimizerV3):
     build = _TfKerasWrapper._build
 
     def finalize_variable_values(self, var_list):
-        """tf-keras' wrapper's; first, at the end of `fit`, raises what XLA
-        steps left to the host (`xla_checks`; for this class only)."""
+        """tf-keras' wrapper's; first raises what XLA steps left to the host
+        (`xla_checks`)."""
         xla_checks.act(self)
         super().finalize_variable_values(var_list)
 
@@ -262,8 +255,7 @@ class LegacyLossScaleOptimizer(_TfKerasWrapper,
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        # TF 2.2's wrapper saved its inner optimizer under `base_optimizer`:
-        # tf-keras' placeholder there hands its slots to the inner optimizer.
+        # Slots TF 2.2's wrapper saved under `base_optimizer`.
         private_api.track(
             self, _tf_keras_lso.FakeOptimizerForRestoration(
                 self._optimizer), "base_optimizer")
@@ -279,16 +271,8 @@ class LegacyLossScaleOptimizer(_TfKerasWrapper,
             self, grads_and_vars, name,
             experimental_aggregate_gradients=experimental_aggregate_gradients)
 
-    @staticmethod
-    def _aggregates(experimental_aggregate_gradients=True):
-        """Whether the inner optimizer sums the gradients (not the caller)."""
-        return experimental_aggregate_gradients
-
-    def _aggregate(self, pairs, **kwargs):
-        if not self._aggregates(**kwargs):
-            return pairs
-        return list(private_api.tf_keras_aggregate_legacy(self._optimizer,
-                                                          pairs))
+    def _aggregate(self, pairs):
+        return private_api.tf_keras_aggregate_legacy(self._optimizer, pairs)
 
     def _apply_aggregated(self, pairs, name):
         return self._optimizer.apply_gradients(
