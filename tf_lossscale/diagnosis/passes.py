@@ -1,16 +1,11 @@
 """The passes of a float16 diagnosis over its batches, and their figures.
 
-Per batch, in every replica, as `fit` computes it (`training=True`, dropout
-and noise off so both runs compute the same function): the float32 twin's
-forward and backward pass at scale 1, then a float16 copy's forward and
-backward pass at each probed scale. Each is reduced to a few figures per
-layer and per variable (maxima, finiteness flags, underflow counts and the
-norm of what underflow loses against the twin's gradients), with few ops:
-compiling the two passes is most of what a diagnosis costs on a small
-number of batches. The replicas' figures are combined (counts and squares
-summed, the rest maxima), then the batches' into rows. A batch's scales
-above the first whose backward pass overflows are not run: a larger scale
-only makes every value larger, so they overflow too.
+Per batch, in every replica: the float32 twin's forward and backward pass at
+scale 1, then the float16 copy's at each probed scale up to the first that
+overflows, each reduced in few ops to a few figures per layer and per
+variable; the replicas' figures are combined (counts and squares summed, the
+rest maxima), then the batches' into rows
+(docs/guides/float16-troubleshooting.md).
 """
 
 import math
@@ -245,25 +240,24 @@ class Passes:
         distributed = self._distribute(batch)
         figures32, float32_flat = self._float32_fn(distributed)
         progress.advance()
-        forward, rows = None, []
+        rows = []
         for scale in scales:
-            figures = {key: np.asarray(value) for key, value in
-                       self._float16_fn(distributed, tf.constant(
-                           scale, tf.float32), float32_flat).items()}
-            forward = forward or {key: value for key, value in figures.items()
-                                  if key not in _BACKWARD}
-            rows.append({key: figures[key] for key in _BACKWARD})
+            rows.append({key: np.asarray(value) for key, value in
+                         self._float16_fn(distributed, tf.constant(
+                             scale, tf.float32), float32_flat).items()})
             progress.advance()
-            if (forward["input_nonfinite"][0] or forward["forward_nonfinite"][0]
-                    or rows[-1]["backward_overflow"][0]):
+            if any(rows[-1][key][0] for key in (
+                    "input_nonfinite", "forward_nonfinite", "backward_overflow")):
                 break
         progress.advance(len(scales) - len(rows))
-        # Scales not run repeat the last one run (see the module docstring).
+        # Scales not run repeat the last one run: a larger scale only makes
+        # every value larger, so they overflow too.
         rows += rows[-1:] * (len(scales) - len(rows))
-        backward = {key: np.stack([row[key] for row in rows])
-                    for key in _BACKWARD}
+        # The forward pass is the same at every scale.
         return ({key: np.asarray(value) for key, value in figures32.items()},
-                dict(forward, **backward))
+                {key: np.stack([row[key] for row in rows])
+                 if key in _BACKWARD else value
+                 for key, value in rows[0].items()})
 
     def figures(self, batches, scales, progress):
         """The figures of `batches` at `scales`: counts of batches, and one
@@ -274,13 +268,14 @@ class Passes:
             run32, run16 = self.run_batch(batch, scales, progress)
             float32_runs.append(run32)
             float16_runs.append(run16)
-            overflow = np.flatnonzero(run16["backward_overflow"][:, 0])
+            overflow = [scale for scale, overflowed in zip(
+                scales, run16["backward_overflow"][:, 0]) if overflowed]
             progress.line(
                 f"batch {index + 1}/{len(batches)}: float32 twin, float16 "
                 + ("forward pass not finite" if run16["forward_nonfinite"][0]
                    or run16["input_nonfinite"][0] else
-                   f"backward pass overflows from {text.pow2(scales[overflow[0]])}"
-                   if overflow.size else "no overflow at any scale"))
+                   f"backward pass overflows from {text.pow2(overflow[0])}"
+                   if overflow else "no overflow at any scale"))
         # Over the batches: maxima of the float32 figures and of the
         # outputs, sums of the rest.
         f32 = {key: np.max([run[key] for run in float32_runs], axis=0)
@@ -293,7 +288,8 @@ class Passes:
             "replicas": self._strategy.num_replicas_in_sync,
             "input_nonfinite_batches": int(f16["input_nonfinite"][0]),
             "forward_nonfinite_batches": int(f16["forward_nonfinite"][0]),
-            "overflow_batches": [int(n) for n in f16["backward_overflow"][:, 0]],
+            "overflow_batches": f16["backward_overflow"][:, 0].astype(
+                int).tolist(),
         }
         measured = (counts["batches"] - counts["input_nonfinite_batches"]
                     - counts["forward_nonfinite_batches"])
@@ -323,56 +319,52 @@ class Passes:
         return rows
 
     def _variable_rows(self, f32, f16, measured):
+        half = np.array(self._float16_variable)
         # Each layer's float32 gradient norm (squared), over its float16
         # variables: what underflow's losses are measured against.
-        layer_squares = {}
-        for layer, half, squares in zip(self._variable_layers,
-                                        self._float16_variable,
-                                        f16["reference_squares"]):
-            if half:
-                layer_squares[layer] = layer_squares.get(layer, 0.0) + float(
-                    squares)
+        totals = {}
+        for layer, squares in zip(self._variable_layers, np.where(
+                half, f16["reference_squares"], 0.0)):
+            totals[layer] = totals.get(layer, 0.0) + squares
+        total = np.array([totals[layer] for layer in self._variable_layers])
+        count = f16["nonzero"]
+        values = _share(f16["underflow"], count)
+        # At most all of it: where float16 rounds a tiny value up to the
+        # smallest subnormal, the difference exceeds the value.
+        norms = np.minimum(1.0, np.sqrt(_share(f16["lost_squares"], total)))
+        # Both: many values (range, not the rounding of a few), carrying a
+        # material part of the layer's gradient (not noise).
+        costs = np.minimum(values, norms)
+        carries = np.sqrt(_share(f16["reference_squares"], total))
         rows = []
-        for index, (variable, layer, half) in enumerate(zip(
-                self._variables, self._variable_layers,
-                self._float16_variable)):
-            count = float(f16["nonzero"][index])
-            total = layer_squares.get(layer, 0.0)
+        for index, (variable, layer) in enumerate(zip(
+                self._variables, self._variable_layers)):
             largest = float(f32["variable_gradient_max"][index])
-            shown = half and measured
+            shown = half[index] and measured
             rows.append({
                 # A Keras 3 variable's path, or a tf-keras variable's name.
                 "name": getattr(variable, "path", None) or variable.name,
                 "layer": layer,
-                "compute_dtype": "float16" if half else "float32",
+                "compute_dtype": "float16" if half[index] else "float32",
                 "size": int(np.prod(variable.shape)),
                 "gradient_max": largest,
                 "gradient_headroom_log2": (
-                    float16.headroom_log2(largest) if half else None),
-                "nonzero_values": int(count),
-                "gradient_norm_share": _root_share(
-                    f16["reference_squares"][index], total) if shown else None,
-                "underflow_share": [
-                    float(lost) / count if count else 0.0
-                    for lost in f16["underflow"][:, index]] if shown else None,
-                # At most all of it: where float16 rounds a tiny value up to
-                # the smallest subnormal, the difference exceeds the value.
-                "underflow_norm_share": [
-                    min(1.0, _root_share(lost, total))
-                    for lost in f16["lost_squares"][:, index]
-                ] if shown else None,
-                "nonfinite_batches": [
-                    int(n) for n in f16["variable_nonfinite"][:, index]],
+                    float16.headroom_log2(largest) if half[index] else None),
+                "nonzero_values": int(count[index]),
+                "gradient_norm_share": (
+                    float(carries[index]) if shown else None),
+                **{key: figure[:, index].tolist() if shown else None
+                   for key, figure in (("underflow_share", values),
+                                       ("underflow_norm_share", norms),
+                                       ("underflow_cost", costs))},
+                "nonfinite_batches": (
+                    f16["variable_nonfinite"][:, index].astype(int).tolist()),
             })
-            # Both: many values (range, not the rounding of a few), carrying
-            # a material part of the layer's gradient (not noise).
-            rows[-1]["underflow_cost"] = [
-                min(values, norm) for values, norm in zip(
-                    rows[-1]["underflow_share"],
-                    rows[-1]["underflow_norm_share"])] if shown else None
         return rows
 
 
-def _root_share(squares, total):
-    """sqrt(squares / total): a share of a norm from squared norms."""
-    return float(np.sqrt(float(squares) / total)) if total > 0 else 0.0
+def _share(part, whole):
+    """`part / whole` in float64, 0 where `whole` is 0."""
+    part = np.asarray(part, np.float64)
+    return np.divide(part, whole, where=whole > 0,
+                     out=np.zeros(np.broadcast(part, whole).shape))
