@@ -1,5 +1,6 @@
 """`diagnose`: why a float16 run fails, measured on a few batches: its
-checks, then the passes (`passes.py`) and the report (`report.py`)."""
+checks, then the passes (`passes.py`), their rows (`rows.py`) and the
+report (`report.py`)."""
 
 import itertools
 
@@ -7,6 +8,7 @@ from tf_lossscale.diagnosis import models
 from tf_lossscale.diagnosis import passes
 from tf_lossscale.diagnosis import progress as progress_lib
 from tf_lossscale.diagnosis import report
+from tf_lossscale.diagnosis import rows
 from tf_lossscale._internal import checks
 
 
@@ -86,7 +88,7 @@ def diagnose(model, data, steps=8, *, loss=None,
         len(batches) * (1 + len(scales)), f"diagnose {model.name!r}")
     runs = passes.Passes(model, loss_fn, training)
     progress.line("rebuilt a float32 twin and a float16 copy")
-    figures = runs.figures(batches, scales, progress)
+    figures = rows.figures(runs, batches, scales, progress)
     return report.Float16Diagnosis(figures, arguments, diagnose,
                                    runs.layer_paths)
 
