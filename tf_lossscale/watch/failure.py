@@ -110,31 +110,31 @@ class FailureReport:
         }
 
     def __str__(self):
+        report = self.as_dict()
+        diagnosis, grown = report["diagnosis"], report["growth_log2"]
         lines = [f"float16 failure at step {self.step}: {self.reason}.",
                  f"Cause: {self.cause}.",
                  f"Loss scale {self.scale:g} (settled at "
                  f"{text.number(self.settled_scale, 'g')}); "
-                 f"{self.skipped_steps} steps skipped in all."]
-        rows = [row for row in self.diagnosis.as_dict()["layers"]
-                if row["compute_dtype"] == "float16"]
-        grown = self.growth()
-        lines.append(f"Largest float32 outputs of the float16 layers now "
-                     f"(float16 holds {float16.FLOAT16_MAX:g})"
-                     + (", and powers of 2 grown since before training:"
-                        if grown else ":"))
+                 f"{self.skipped_steps} steps skipped in all.",
+                 f"Largest float32 outputs of the float16 layers now "
+                 f"(float16 holds {float16.FLOAT16_MAX:g})"
+                 + (", and powers of 2 grown since before training:"
+                    if grown else ":")]
         lines += [f"  {row['name']:<24} "
                   f"{text.number(row['activation_max_float32']):>10}"
                   + (f"  {grown[row['name']]:+.1f}" if row["name"] in grown
-                     else "") for row in rows]
-        growing = [name for name in self.growing_layers()
-                   if name not in self.diagnosis.keep_in_float32]
+                     else "") for row in diagnosis["layers"]
+                  if row["compute_dtype"] == "float16"]
+        growing = [name for name in report["growing_layers"]
+                   if name not in diagnosis["keep_in_float32"]]
         if growing:
             lines.append(
                 f"Growing as they grew since step {self.baseline_step}, "
                 f"layers {', '.join(map(repr, growing))} would overflow "
                 f"within {self.fix_horizon:g} times as many steps again: "
                 "fix(model) keeps them in float32 too.")
-        lines += ["", "Diagnosis at the failure:", str(self.diagnosis)]
+        lines += ["", "Diagnosis at the failure:", text.render(diagnosis)]
         return "\n".join(lines)
 
     def fix(self, model, scale=None, optimizers=None, per_layer=None):
