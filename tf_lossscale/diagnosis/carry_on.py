@@ -16,17 +16,11 @@ def carry_on(report, model, scale=None, also=(), optimizers=None,
              per_layer=False):
     """Returns `report.fix(model)` compiled with an optimizer that holds the
     state of `model`'s: the inner optimizer's variables (iterations, slots),
-    the skipped steps and the loss scale's state, its config kept.
-
-    A skipped step leaves weights and optimizer state as they were, so the
-    new model starts from exactly the state that failed, less the layers
-    that made it fail.
-
-    When `model`'s optimizer is in a `LossScaleGroup` (a custom loop with
-    several optimizers), every optimizer of the group is carried on into a
-    new group of the same config and state, each built for the fixed
-    model's variables where the old one's were in `model`; the fixed model
-    is compiled with the new one of `model.optimizer`, and the return is
+    the skipped steps and the loss scale's state, its config kept
+    (docs/guides/failure-watch.md). When `model`'s optimizer is in a
+    `LossScaleGroup`, every optimizer of the group is carried on into a new
+    group of the same config and state, each built for the fixed model's
+    variables where the old one's were in `model`, and the return is
     `(fixed, [the new optimizers, in the order of optimizers])`.
 
     Args:
@@ -145,16 +139,13 @@ def _group_optimizers(model, group, old, optimizers):
 
 def _copy(model, old, new):
     """`old`'s variables into `new`'s, one for one."""
-    sources, targets = list(old.variables), list(new.variables)
-    if len(sources) != len(targets) or any(
-            tuple(s.shape) != tuple(t.shape)
-            for s, t in zip(sources, targets)):
+    shapes = [[tuple(v.shape) for v in o.variables] for o in (old, new)]
+    if shapes[0] != shapes[1]:
         raise ValueError(
             f"the optimizer of model {model.name!r} holds variables the fixed "
-            "model's cannot take one for one: "
-            f"{[tuple(v.shape) for v in sources]} against "
-            f"{[tuple(v.shape) for v in targets]}")
-    for source, target in zip(sources, targets):
+            f"model's cannot take one for one: {shapes[0]} against "
+            f"{shapes[1]}")
+    for source, target in zip(old.variables, new.variables):
         target.assign(source)
 
 

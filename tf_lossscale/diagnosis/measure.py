@@ -1,10 +1,6 @@
-"""`diagnose`: why a float16 run fails, measured on a few batches.
-
-Each batch runs on a float32 twin of the model (the reference) and on a copy
-computing as the model does, at each probed loss scale (`passes.py`);
-`report.py` turns the figures into advice
-(docs/guides/float16-troubleshooting.md).
-"""
+"""`diagnose`: why a float16 run fails, measured on a few batches: its
+checks, then the passes (`passes.py`), their rows (`rows.py`) and the
+report (`report.py`)."""
 
 import itertools
 
@@ -12,6 +8,7 @@ from tf_lossscale.diagnosis import models
 from tf_lossscale.diagnosis import passes
 from tf_lossscale.diagnosis import progress as progress_lib
 from tf_lossscale.diagnosis import report
+from tf_lossscale.diagnosis import rows
 from tf_lossscale._internal import checks
 
 
@@ -22,16 +19,14 @@ def diagnose(model, data, steps=8, *, loss=None,
     """Measures where a float16 model overflows and underflows; returns a
     `Float16Diagnosis`.
 
-    Each batch runs as `fit` computes it (`training=True`: normalization on
-    the batch's statistics; dropout and noise layers off) in float32 on a
-    twin of the model, then as the model computes, its backward pass seeded
-    with each of `scales` in turn, in every replica of its strategy, without
-    XLA. A batch's scales above the first whose backward pass overflows are
-    not run (they overflow too). Both runs are copies rebuilt from the
-    model's config: the model, its optimizer, the dtype policies and
-    Python's and numpy's random states are left as they were. Syncs with
-    the host after every pass. What is measured, and the rule that judges
-    underflow: docs/guides/float16-troubleshooting.md.
+    Each batch runs in float32 on a twin of the model, then as the model
+    computes at each of `scales` (up to the first that overflows), in every
+    replica of its strategy, without XLA, dropout and noise layers off.
+    Both runs are copies rebuilt from the model's config: the model, its
+    optimizer, the dtype policies and Python's and numpy's random states
+    are left as they were. Syncs with the host after every pass. What is
+    measured, and the rule that judges underflow:
+    docs/guides/float16-troubleshooting.md.
 
     Args:
       model: a functional or Sequential Keras model (Keras 3 or tf-keras),
@@ -93,7 +88,7 @@ def diagnose(model, data, steps=8, *, loss=None,
         len(batches) * (1 + len(scales)), f"diagnose {model.name!r}")
     runs = passes.Passes(model, loss_fn, training)
     progress.line("rebuilt a float32 twin and a float16 copy")
-    figures = runs.figures(batches, scales, progress)
+    figures = rows.figures(runs, batches, scales, progress)
     return report.Float16Diagnosis(figures, arguments, diagnose,
                                    runs.layer_paths)
 

@@ -1,12 +1,10 @@
 """The models a float16 diagnosis runs: copies of the model (rebuilt from its
 config, with its weights and chosen layers in float32), the leaf layers it
-reports on, and the recording of their outputs as the copies run.
-
-Rows are named by layer paths: a layer of the model by its name, a layer
-inside a nested model by the names down to it (`"ffn/dense_1"`).
-"""
+reports on, named by their paths (`"ffn/dense_1"` inside a nested model),
+and the recording of their outputs as the copies run."""
 
 import contextlib
+import copy as copy_lib
 import importlib
 import random
 import threading
@@ -22,16 +20,11 @@ from tf_lossscale.step import optimizer_protocol
 _FLOAT16_POLICIES = ("mixed_float16", "float16")
 # Every layer float32: the float32 twin.
 ALL = "all"
-# Layers that draw random numbers in training, and the attributes that turn
-# them off (a rate or deviation of 0): dropout and noise layers, and the
-# dropout of recurrent cells.
-_RANDOM_ATTRIBUTES = {
-    "Dropout": ("rate",), "SpatialDropout1D": ("rate",),
-    "SpatialDropout2D": ("rate",), "SpatialDropout3D": ("rate",),
-    "GaussianDropout": ("rate",), "AlphaDropout": ("rate",),
-    "GaussianNoise": ("stddev",),
-}
-_RECURRENT_DROPOUT = ("dropout", "recurrent_dropout")
+# Layers that draw random numbers in training (and their subclasses: the
+# spatial dropouts), and the attributes that turn them off (a rate or
+# deviation of 0); recurrent cells' dropout is turned off too.
+_RANDOM_ATTRIBUTES = {"Dropout": ("rate",), "GaussianDropout": ("rate",),
+                      "AlphaDropout": ("rate",), "GaussianNoise": ("stddev",)}
 
 
 def keras_module(model):
@@ -39,10 +32,6 @@ def keras_module(model):
     return importlib.import_module(
         "tf_keras" if optimizer_protocol.comes_from_tf_keras(model)
         else "keras")
-
-
-def _is_model(layer, keras):
-    return isinstance(layer, keras.Model)
 
 
 def leaf_layers(model):
@@ -59,7 +48,7 @@ def leaf_layers(model):
                     layer, boundary.GradientScaling):
                 continue
             path = prefix + layer.name
-            if _is_model(layer, keras):
+            if isinstance(layer, keras.Model):
                 walk(layer, path + "/")
             else:
                 leaves.append((path, layer))
@@ -102,53 +91,46 @@ def _float32_policy(policy):
         policy, config=dict(policy["config"], name="float32"))
 
 
-def float32_config(config, paths=ALL, prefix=""):
-    """A copy of a model config in which every float16 dtype policy is
-    float32: of the layers at `paths` (and what they hold), or of every
-    layer for `ALL`. Paths descend through nested models' `layers`."""
+def _all_float32(config):
+    """Makes every float16 dtype policy in `config` float32, in place."""
     if isinstance(config, (list, tuple)):
-        return type(config)(float32_config(item, paths, prefix)
-                            for item in config)
-    if not isinstance(config, dict):
-        return config
-    inner = config.get("config")
-    if paths != ALL and isinstance(inner, dict) and "name" in inner:
-        path = prefix + inner["name"]
-        if path in paths:
-            return float32_config(config, ALL)
-        if "layers" in inner:
-            return dict(config, config=dict(inner, layers=float32_config(
-                inner["layers"], paths, path + "/")))
-        return config
-    config = {key: float32_config(value, paths, prefix)
-              for key, value in config.items()}
-    if paths == ALL and "dtype" in config:
-        config["dtype"] = _float32_policy(config["dtype"])
-    return config
+        for item in config:
+            _all_float32(item)
+    elif isinstance(config, dict):
+        for key, value in config.items():
+            _all_float32(value)
+            if key == "dtype":
+                config[key] = _float32_policy(value)
 
 
-def _config_paths(config, prefix=""):
-    """The paths of the layers a model config describes, nested models'
-    layers included."""
-    paths = set()
+def _config_layers(config, prefix=""):
+    """`(path, layer config)` of each layer a model config lists, nested
+    models' layers included."""
     for item in config.get("layers", ()):
         inner = item.get("config") if isinstance(item, dict) else None
         if isinstance(inner, dict) and "name" in inner:
             path = prefix + inner["name"]
-            paths.add(path)
-            paths |= _config_paths(inner, path + "/")
-    return paths
+            yield path, item
+            yield from _config_layers(inner, path + "/")
+
+
+def float32_config(config, paths=ALL):
+    """A copy of a model config in which every float16 dtype policy is
+    float32: of the layers at `paths` (and what they hold), or of every
+    layer for `ALL`."""
+    config = copy_lib.deepcopy(config)
+    targets = [config] if paths == ALL else [
+        item for path, item in _config_layers(config) if path in paths]
+    for target in targets:
+        _all_float32(target)
+    return config
 
 
 def unsaved_float32(model, paths):
     """Those of the leaf layer `paths` whose float32 policy `model`'s config
     cannot hold: layers made inside a layer whose config lists no layers."""
-    return set(paths) - _config_paths(model.get_config())
-
-
-def _all_layers(layer):
-    """`layer` and every layer inside it, depth first."""
-    return list(private_api.flatten_layers(layer))
+    return set(paths) - {path for path, _ in _config_layers(
+        model.get_config())}
 
 
 def _under(path, paths):
@@ -166,10 +148,6 @@ def _random_state_kept():
     finally:
         random.setstate(python)
         np.random.set_state(numpy)
-
-
-def _float32_name(policy):
-    return "float32" if policy.name in _FLOAT16_POLICIES else policy.name
 
 
 def copy(model, float32=()):
@@ -208,9 +186,9 @@ def copy(model, float32=()):
 
 def _layers_in_leaves(model):
     """`[(leaf path, layer)]` for every layer inside `model`'s leaf layers,
-    the leaves included."""
+    each before the layers it holds, the leaves included."""
     return [(path, layer) for path, leaf in leaf_layers(model)
-            for layer in _all_layers(leaf)]
+            for layer in private_api.flatten_layers(leaf)]
 
 
 def _align_policies(model, copied, float32):
@@ -228,8 +206,9 @@ def _align_policies(model, copied, float32):
             f"could not rebuild model {model.name!r} from its config: the "
             "copy's layers differ from the model's")
     for (path, layer), (_, twin) in zip(original, rebuilt):
-        intended = (_float32_name(layer.dtype_policy)
-                    if _under(path, float32) else layer.dtype_policy.name)
+        intended = layer.dtype_policy.name
+        if _under(path, float32):
+            intended = _float32_policy(intended)
         if twin.dtype_policy.name == intended:
             continue
         if keras.__name__ == "keras":
@@ -248,30 +227,25 @@ def random_layers_off(model):
     """Turns off, in `model` (a copy), the layers that draw random numbers
     in training (dropout, noise, recurrent dropout), so that its float16
     and float32 runs compute the same function."""
-    for _, leaf in leaf_layers(model):
-        for layer in _all_layers(leaf):
-            names = _RANDOM_ATTRIBUTES.get(type(layer).__name__, ())
-            if not names and any(type(base).__name__ in _RANDOM_ATTRIBUTES
-                                 for base in type(layer).__mro__[1:]):
-                names = ("rate",)
-            if "recurrent_dropout" in vars(layer):  # A recurrent cell.
-                names += _RECURRENT_DROPOUT
-            for name in names:
-                if isinstance(vars(layer).get(name), (int, float)):
-                    object.__setattr__(layer, name, 0.0)
+    for _, layer in _layers_in_leaves(model):
+        names = next((_RANDOM_ATTRIBUTES[cls.__name__]
+                      for cls in type(layer).__mro__
+                      if cls.__name__ in _RANDOM_ATTRIBUTES), ())
+        if "recurrent_dropout" in vars(layer):  # A recurrent cell.
+            names += ("dropout", "recurrent_dropout")
+        for name in names:
+            if isinstance(vars(layer).get(name), (int, float)):
+                object.__setattr__(layer, name, 0.0)
 
 
 def variable_holders(model):
     """`{id(variable): (leaf path, layer)}` for the trainable variables of
     `model`'s leaf layers: the leaf that holds each, and the innermost layer
     inside it that does (whose dtype policy its gradient has)."""
-    holders = {}
-    for path, leaf in leaf_layers(model):
-        # Each layer before the layers it holds: the innermost comes last.
-        for layer in _all_layers(leaf):
-            for variable in layer.trainable_weights:
-                holders[id(variable)] = (path, layer)
-    return holders
+    # Each layer comes before the layers it holds: the innermost last.
+    return {id(variable): (path, layer)
+            for path, layer in _layers_in_leaves(model)
+            for variable in layer.trainable_weights}
 
 
 class Recorder:

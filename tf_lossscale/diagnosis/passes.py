@@ -1,16 +1,11 @@
 """The passes of a float16 diagnosis over its batches, and their figures.
 
-Per batch, in every replica, as `fit` computes it (`training=True`, dropout
-and noise off so both runs compute the same function): the float32 twin's
-forward and backward pass at scale 1, then a float16 copy's forward and
-backward pass at each probed scale. Each is reduced to a few figures per
-layer and per variable (maxima, finiteness flags, underflow counts and the
-norm of what underflow loses against the twin's gradients), with few ops:
-compiling the two passes is most of what a diagnosis costs on a small
-number of batches. The replicas' figures are combined (counts and squares
-summed, the rest maxima), then the batches' into rows. A batch's scales
-above the first whose backward pass overflows are not run: a larger scale
-only makes every value larger, so they overflow too.
+Per batch, in every replica: the float32 twin's forward and backward pass at
+scale 1, then the float16 copy's at each probed scale up to the first that
+overflows, each reduced in few ops to a few figures per layer and per
+variable; the replicas' figures are combined (counts and squares summed, the
+rest maxima), then the batches' into rows
+(docs/guides/float16-troubleshooting.md).
 """
 
 import math
@@ -19,7 +14,6 @@ import numpy as np
 import tensorflow as tf
 
 from tf_lossscale.diagnosis import models
-from tf_lossscale.diagnosis import text
 from tf_lossscale.ops import float16
 
 # Figures summed over replicas; the others are their maxima.
@@ -33,13 +27,21 @@ class Passes:
     """The two runs of `model` over its batches, under its strategy, with
     `loss_fn`: `(y_true, y_pred) -> per-example losses`. `training`: run the
     layers as `fit` does (normalization on batch statistics), or as
-    `predict` does. The model itself never runs: copies of it do."""
+    `predict` does. The model itself never runs: copies of it do.
+
+    What `rows.py` reads: `replicas`; per leaf layer `layer_paths` and
+    `layer_dtypes`, and, once traced, `called` (the indices of those that
+    ran, in order) and `reached` (whether the loss reached their outputs);
+    per trainable variable `variables` (the model's), `variable_layers`
+    (their leaf paths) and `float16_variable` (whether measured as float16).
+    """
 
     def __init__(self, model, loss_fn, training=True):
         self._loss_fn = loss_fn
         self._training = training
         self._tf_keras = models.keras_module(model).__name__ == "tf_keras"
         self._strategy = model.distribute_strategy
+        self.replicas = self._strategy.num_replicas_in_sync
         self._twin = models.copy(model, models.ALL)
         self._copy = models.copy(model)
         for copied in (self._twin, self._copy):
@@ -48,22 +50,20 @@ class Passes:
         self._recorder = models.Recorder(self._copy)
         self.layer_paths = [path for path, _ in self._recorder.leaves]
         # The model's variables name the rows; the copy's are measured.
-        self._variables = list(model.trainable_variables)
-        self._ids = float16.variable_ids(self._variables)
+        self.variables = list(model.trainable_variables)
+        self._ids = float16.variable_ids(self.variables)
         holders = models.variable_holders(self._copy)
-        self._variable_layers, self._float16_variable = [], []
-        for variable in self._copy.trainable_variables:
-            path, holder = holders.get(id(variable), (None, None))
-            self._variable_layers.append(path)
-            self._float16_variable.append(
-                holder is not None and holder.compute_dtype == "float16"
-                and not float16.takes_gradient_as_value(variable))
-        self._float16_layer = [layer.compute_dtype == "float16"
-                               for _, layer in self._recorder.leaves]
-        # Set while tracing: which layers ran, and whether the loss reached
-        # their outputs.
-        self._called = None
-        self._reached = None
+        copied = self._copy.trainable_variables
+        self.variable_layers = [holders.get(id(v), (None,))[0]
+                                for v in copied]
+        self.float16_variable = [
+            id(v) in holders and holders[id(v)][1].compute_dtype == "float16"
+            and not float16.takes_gradient_as_value(v) for v in copied]
+        self.layer_dtypes = [layer.compute_dtype
+                             for _, layer in self._recorder.leaves]
+        # Set while tracing.
+        self.called = None
+        self.reached = None
         self._float32_fn = tf.function(
             lambda batch: self._replicated(self._float32_pass, batch),
             reduce_retracing=True)
@@ -135,9 +135,9 @@ class Passes:
         variables = list(self._twin.trainable_variables)
         output_grads, grads = tape.gradient(
             loss, ([tensors for _, tensors in records], variables))
-        self._reached = [False] * len(self.layer_paths)
+        self.reached = [False] * len(self.layer_paths)
         for (index, _), tensors in zip(records, output_grads):
-            self._reached[index] |= any(g is not None for g in tensors)
+            self.reached[index] |= any(g is not None for g in tensors)
         flat = float16.flatten(grads, variables)
         return {
             "activation_max_float32": self._by_layer(
@@ -151,21 +151,23 @@ class Passes:
         with tf.GradientTape() as tape:
             records, loss = self._forward(self._copy, self._recorder, batch)
         # In the order they first ran.
-        self._called = list(dict.fromkeys(index for index, _ in records))
+        self.called = list(dict.fromkeys(index for index, _ in records))
         variables = list(self._copy.trainable_variables)
         count, ids = len(variables), self._ids
-        half = tf.constant(self._float16_variable, tf.float32)
+        half = tf.constant(self.float16_variable, tf.float32)
         outputs = [tensors for _, tensors in records]
         known = tf.cast(float16.is_finite(batch[0]), tf.float32)
         activation_max, output_finite = self._by_layer(records, outputs,
                                                        finite=True)
         forward_finite = tf.logical_and(
             tf.reduce_all(output_finite == 1.0), float16.is_finite(loss))
-        # Underflow is counted where the float16 run is finite up to the
-        # loss: a batch that overflowed forward has no gradients to compare.
-        measured = known * tf.cast(forward_finite, tf.float32)
+        # Underflow is counted in float16 variables where the float16 run is
+        # finite up to the loss: a batch that overflowed forward has no
+        # gradients to compare.
+        measured = known * tf.cast(forward_finite, tf.float32) * half
+        measured64 = tf.cast(measured, tf.float64)
         records_half = [record for record in records
-                        if self._float16_layer[record[0]]]
+                        if self.layer_dtypes[record[0]] == "float16"]
         half_outputs = [tensors for _, tensors in records_half]
         figures = {
             "input_nonfinite": 1.0 - known[None],
@@ -175,10 +177,10 @@ class Passes:
             "forward_nonfinite": (1.0 - tf.cast(
                 forward_finite, tf.float32))[None] * known,
             "activation_max": activation_max,
-            "nonzero": measured * half * float16.nonzero_by_variable(
+            "nonzero": measured * float16.nonzero_by_variable(
                 float32_flat, ids, count),
-            "reference_squares": tf.cast(measured * half, tf.float64) * (
-                float16.squares_by_variable(float32_flat, ids, count)),
+            "reference_squares": measured64 * float16.squares_by_variable(
+                float32_flat, ids, count),
         }
         # Seeding the backward pass with the scale is differentiating the
         # scaled loss (d(s * loss)/d loss = s): the same values.
@@ -198,8 +200,8 @@ class Passes:
                 forward_finite, tf.logical_not(backward_finite)),
                                       tf.float32)[None],
             variable_nonfinite=nonfinite,
-            underflow=measured * half * underflow,
-            lost_squares=tf.cast(measured * half, tf.float64) * lost_squares)
+            underflow=measured * underflow,
+            lost_squares=measured64 * lost_squares)
         return figures, None
 
     def _replicated(self, fn, *args):
@@ -218,7 +220,7 @@ class Passes:
     def _distribute(self, batch):
         """The batch as each replica's part of it (the batch itself without
         a strategy)."""
-        replicas = self._strategy.num_replicas_in_sync
+        replicas = self.replicas
         if replicas == 1:
             return batch
         size = int(tf.nest.flatten(batch[0])[0].shape[0])
@@ -245,134 +247,22 @@ class Passes:
         distributed = self._distribute(batch)
         figures32, float32_flat = self._float32_fn(distributed)
         progress.advance()
-        forward, rows = None, []
+        rows = []
         for scale in scales:
-            figures = {key: np.asarray(value) for key, value in
-                       self._float16_fn(distributed, tf.constant(
-                           scale, tf.float32), float32_flat).items()}
-            forward = forward or {key: value for key, value in figures.items()
-                                  if key not in _BACKWARD}
-            rows.append({key: figures[key] for key in _BACKWARD})
+            rows.append({key: np.asarray(value) for key, value in
+                         self._float16_fn(distributed, tf.constant(
+                             scale, tf.float32), float32_flat).items()})
             progress.advance()
-            if (forward["input_nonfinite"][0] or forward["forward_nonfinite"][0]
-                    or rows[-1]["backward_overflow"][0]):
+            if any(rows[-1][key][0] for key in ("input_nonfinite",
+                                                 "forward_nonfinite",
+                                                 "backward_overflow")):
                 break
         progress.advance(len(scales) - len(rows))
-        # Scales not run repeat the last one run (see the module docstring).
+        # Scales not run repeat the last one run: a larger scale only makes
+        # every value larger, so they overflow too.
         rows += rows[-1:] * (len(scales) - len(rows))
-        backward = {key: np.stack([row[key] for row in rows])
-                    for key in _BACKWARD}
+        # The forward pass is the same at every scale.
         return ({key: np.asarray(value) for key, value in figures32.items()},
-                dict(forward, **backward))
-
-    def figures(self, batches, scales, progress):
-        """The figures of `batches` at `scales`: counts of batches, and one
-        row per layer that ran and per variable (see
-        `Float16Diagnosis.as_dict`)."""
-        float32_runs, float16_runs = [], []
-        for index, batch in enumerate(batches):
-            run32, run16 = self.run_batch(batch, scales, progress)
-            float32_runs.append(run32)
-            float16_runs.append(run16)
-            overflow = np.flatnonzero(run16["backward_overflow"][:, 0])
-            progress.line(
-                f"batch {index + 1}/{len(batches)}: float32 twin, float16 "
-                + ("forward pass not finite" if run16["forward_nonfinite"][0]
-                   or run16["input_nonfinite"][0] else
-                   f"backward pass overflows from {text.pow2(scales[overflow[0]])}"
-                   if overflow.size else "no overflow at any scale"))
-        # Over the batches: maxima of the float32 figures and of the
-        # outputs, sums of the rest.
-        f32 = {key: np.max([run[key] for run in float32_runs], axis=0)
-               for key in float32_runs[0]}
-        f16 = {key: (np.max if key == "activation_max" else np.sum)(
-            [run[key] for run in float16_runs], axis=0)
-               for key in float16_runs[0]}
-        counts = {
-            "batches": len(batches),
-            "replicas": self._strategy.num_replicas_in_sync,
-            "input_nonfinite_batches": int(f16["input_nonfinite"][0]),
-            "forward_nonfinite_batches": int(f16["forward_nonfinite"][0]),
-            "overflow_batches": [int(n) for n in f16["backward_overflow"][:, 0]],
-        }
-        measured = (counts["batches"] - counts["input_nonfinite_batches"]
-                    - counts["forward_nonfinite_batches"])
-        return dict(counts, layers=self._layer_rows(f32, f16),
-                    variables=self._variable_rows(f32, f16, measured > 0))
-
-    def _layer_rows(self, f32, f16):
-        rows = []
-        for index in self._called:
-            half = self._float16_layer[index]
-            largest = float(f32["activation_max_float32"][index])
-            gradient = (float(f32["gradient_max"][index])
-                        if self._reached[index] else None)
-            rows.append({
-                "name": self.layer_paths[index],
-                "compute_dtype": "float16" if half else (
-                    self._recorder.leaves[index][1].compute_dtype),
-                "activation_max": float(f16["activation_max"][index]),
-                "activation_max_float32": largest,
-                "activation_headroom_log2": (
-                    float16.headroom_log2(largest) if half else None),
-                "gradient_max": gradient,
-                "gradient_headroom_log2": (
-                    float16.headroom_log2(gradient) if half else None),
-                "nonfinite_batches": int(f16["output_nonfinite"][index]),
-            })
-        return rows
-
-    def _variable_rows(self, f32, f16, measured):
-        # Each layer's float32 gradient norm (squared), over its float16
-        # variables: what underflow's losses are measured against.
-        layer_squares = {}
-        for layer, half, squares in zip(self._variable_layers,
-                                        self._float16_variable,
-                                        f16["reference_squares"]):
-            if half:
-                layer_squares[layer] = layer_squares.get(layer, 0.0) + float(
-                    squares)
-        rows = []
-        for index, (variable, layer, half) in enumerate(zip(
-                self._variables, self._variable_layers,
-                self._float16_variable)):
-            count = float(f16["nonzero"][index])
-            total = layer_squares.get(layer, 0.0)
-            largest = float(f32["variable_gradient_max"][index])
-            shown = half and measured
-            rows.append({
-                # A Keras 3 variable's path, or a tf-keras variable's name.
-                "name": getattr(variable, "path", None) or variable.name,
-                "layer": layer,
-                "compute_dtype": "float16" if half else "float32",
-                "size": int(np.prod(variable.shape)),
-                "gradient_max": largest,
-                "gradient_headroom_log2": (
-                    float16.headroom_log2(largest) if half else None),
-                "nonzero_values": int(count),
-                "gradient_norm_share": _root_share(
-                    f16["reference_squares"][index], total) if shown else None,
-                "underflow_share": [
-                    float(lost) / count if count else 0.0
-                    for lost in f16["underflow"][:, index]] if shown else None,
-                # At most all of it: where float16 rounds a tiny value up to
-                # the smallest subnormal, the difference exceeds the value.
-                "underflow_norm_share": [
-                    min(1.0, _root_share(lost, total))
-                    for lost in f16["lost_squares"][:, index]
-                ] if shown else None,
-                "nonfinite_batches": [
-                    int(n) for n in f16["variable_nonfinite"][:, index]],
-            })
-            # Both: many values (range, not the rounding of a few), carrying
-            # a material part of the layer's gradient (not noise).
-            rows[-1]["underflow_cost"] = [
-                min(values, norm) for values, norm in zip(
-                    rows[-1]["underflow_share"],
-                    rows[-1]["underflow_norm_share"])] if shown else None
-        return rows
-
-
-def _root_share(squares, total):
-    """sqrt(squares / total): a share of a norm from squared norms."""
-    return float(np.sqrt(float(squares) / total)) if total > 0 else 0.0
+                {key: np.stack([row[key] for row in rows])
+                 if key in _BACKWARD else value
+                 for key, value in rows[0].items()})

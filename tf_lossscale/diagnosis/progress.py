@@ -46,6 +46,3 @@ class Progress:
         if self._verbose == 2:
             print(f"{self._label}: {text} "
                   f"({time.perf_counter() - self._start:.1f} s)", flush=True)
-
-
-SILENT = Progress(0, None, 0, "")

@@ -79,29 +79,31 @@ class Float16Diagnosis:
             initial_loss_scale=max(low, high / 2), min_loss_scale=low)
 
     def fix(self, model, per_layer=False, *, optimizer=None, also=()):
-        """A new compiled model: `model` (the one diagnosed, compiled)
-        rebuilt with its weights and the layers float16 cannot hold in
-        float32, and more of them until the same batches' forward pass is
-        finite; every other layer keeps its dtype policy. With `per_layer`,
-        layers advised into float32 only for gradients that underflow stay
-        in float16, and the model's gradients are scaled per layer instead
-        (`tf_lossscale.layerwise.scale_per_layer`, Keras 3 only), with
-        segments where the layers' gradient magnitudes part
-        (`gradient_maxima`): a `LayerwiseModel` (a `LayerwiseModel` given
-        is copied with its segments and factor state). Every layer of the
-        new model is checked to compute as intended (nested ones, and those
-        a layer makes itself, included). Compiled as `model` was, with a
-        `LossScaleOptimizer` around a new inner optimizer from the
-        original's config and the new model's `loss_scale()`, or with
-        `optimizer` (keyword-only: a new, unbuilt `LossScaleOptimizer`, to
-        carry a run on: `tf_lossscale.watch`), and with the layers named
-        in `also` (keyword-only) in float32 too. `model` is left as it was. What carries over and what does not:
-        docs/guides/float16-troubleshooting.md.
+        """A new compiled model: `model` rebuilt with its weights and the
+        layers float16 cannot hold in float32, more of them until the same
+        batches' forward pass is finite; every other layer keeps its dtype
+        policy, and every layer is checked to compute as intended. Compiled
+        as `model` was, with a `LossScaleOptimizer` around a new inner
+        optimizer from the original's config and the new model's
+        `loss_scale()`. `model` is left as it was. What carries over and what
+        does not: docs/guides/float16-troubleshooting.md.
+
+        Args:
+          model: the model diagnosed, compiled.
+          per_layer: keep in float16 the layers advised into float32 only
+            for gradients that underflow, and scale the model's gradients
+            per layer instead (`tf_lossscale.layerwise.scale_per_layer`,
+            Keras 3 only; segments where `gradient_maxima()` part): a
+            `LayerwiseModel` (one given is copied with its segments and
+            factor state).
+          optimizer: keyword-only: a new, unbuilt `LossScaleOptimizer` to
+            compile with, to carry a run on (`tf_lossscale.watch`).
+          also: keyword-only: more layers to compute in float32.
 
         Warns when every layer ends in float32 (mixed precision off), and
         when a float32 layer sits inside a layer whose config cannot say so
-        (a KerasHub backbone's blocks): the returned model computes it in
-        float32, a model rebuilt from its saved config would not.
+        (a KerasHub backbone's blocks): a model rebuilt from its saved config
+        would not compute it in float32.
 
         Raises:
           TypeError: `model` is not a functional or Sequential model, or
@@ -144,9 +146,8 @@ class Float16Diagnosis:
             checked = self._diagnose(fixed, **self._arguments) if keep else (
                 self)
             first = checked.first_nonfinite_layer
-            dtypes = {row["name"]: row["compute_dtype"]
-                      for row in checked.as_dict()["layers"]}
-            if first is not None and dtypes[first] != "float16":
+            # The advice names float16 layers only: not a float32 one.
+            if first is not None and first not in checked.keep_in_float32:
                 raise ValueError(
                     f"the outputs of layer {first!r} of model {model.name!r} "
                     "are not finite on the diagnosed batches even though it "
@@ -154,7 +155,7 @@ class Float16Diagnosis:
                     "values beyond float32's range): no choice of float32 "
                     "layers makes the forward pass finite")
             named = set(checked.keep_in_float32_per_layer if per_layer
-                        else checked.keep_in_float32) | ({first} - {None})
+                        else checked.keep_in_float32)
             if named <= keep:
                 break
             keep |= named

@@ -2,7 +2,6 @@
 the weights as they were then, how they moved since a diagnosis before
 training, and the files it saves (text, JSON, plot, reproduction bundle)."""
 
-import itertools
 import json
 import math
 import pathlib
@@ -26,16 +25,6 @@ class Float16FailureError(RuntimeError):
     def __init__(self, report):
         super().__init__(str(report))
         self.report = report
-
-
-def _growth(before, now):
-    """`{layer: log2(now / before)}` of the layers' largest float32 outputs."""
-    rows = {row["name"]: row["activation_max_float32"]
-            for row in before.as_dict()["layers"]}
-    return {row["name"]: math.log2(row["activation_max_float32"]
-                                   / rows[row["name"]])
-            for row in now.as_dict()["layers"]
-            if rows.get(row["name"]) and row["activation_max_float32"]}
 
 
 class FailureReport:
@@ -88,7 +77,12 @@ class FailureReport:
         baseline; {} without one."""
         if self.baseline is None:
             return {}
-        return _growth(self.baseline, self.diagnosis)
+        before = {row["name"]: row["activation_max_float32"]
+                  for row in self.baseline.as_dict()["layers"]}
+        return {row["name"]: math.log2(row["activation_max_float32"]
+                                       / before[row["name"]])
+                for row in self.diagnosis.as_dict()["layers"]
+                if before.get(row["name"]) and row["activation_max_float32"]}
 
     def growing_layers(self):
         """The float16 layers that, growing on as they grew since the
@@ -116,30 +110,31 @@ class FailureReport:
         }
 
     def __str__(self):
+        report = self.as_dict()
+        diagnosis, grown = report["diagnosis"], report["growth_log2"]
         lines = [f"float16 failure at step {self.step}: {self.reason}.",
                  f"Cause: {self.cause}.",
                  f"Loss scale {self.scale:g} (settled at "
                  f"{text.number(self.settled_scale, 'g')}); "
-                 f"{self.skipped_steps} steps skipped in all."]
-        rows = [row for row in self.diagnosis.as_dict()["layers"]
-                if row["compute_dtype"] == "float16"]
-        grown = self.growth()
-        lines.append(f"Largest float32 outputs of the float16 layers now "
-                     f"(float16 holds {float16.FLOAT16_MAX:g})"
-                     + (", and powers of 2 grown since before training:"
-                        if grown else ":"))
-        lines += [f"  {row['name']:<24} {text.number(row['activation_max_float32']):>10}"
+                 f"{self.skipped_steps} steps skipped in all.",
+                 f"Largest float32 outputs of the float16 layers now "
+                 f"(float16 holds {float16.FLOAT16_MAX:g})"
+                 + (", and powers of 2 grown since before training:"
+                    if grown else ":")]
+        lines += [f"  {row['name']:<24} "
+                  f"{text.number(row['activation_max_float32']):>10}"
                   + (f"  {grown[row['name']]:+.1f}" if row["name"] in grown
-                     else "") for row in rows]
-        growing = [name for name in self.growing_layers()
-                   if name not in self.diagnosis.keep_in_float32]
+                     else "") for row in diagnosis["layers"]
+                  if row["compute_dtype"] == "float16"]
+        growing = [name for name in report["growing_layers"]
+                   if name not in diagnosis["keep_in_float32"]]
         if growing:
             lines.append(
                 f"Growing as they grew since step {self.baseline_step}, "
                 f"layers {', '.join(map(repr, growing))} would overflow "
                 f"within {self.fix_horizon:g} times as many steps again: "
                 "fix(model) keeps them in float32 too.")
-        lines += ["", "Diagnosis at the failure:", str(self.diagnosis)]
+        lines += ["", "Diagnosis at the failure:", text.render(diagnosis)]
         return "\n".join(lines)
 
     def fix(self, model, scale=None, optimizers=None, per_layer=None):
@@ -244,9 +239,7 @@ def load_bundle(directory, custom_objects=None):
     with np.load(path / "batches.npz") as stored:
         arrays = dict(stored)
     batches = []
-    for index in itertools.count():
-        if f"{index}_x" not in arrays:
-            break
-        batches.append(tuple(arrays.get(f"{index}_{part}")
+    while f"{len(batches)}_x" in arrays:
+        batches.append(tuple(arrays.get(f"{len(batches)}_{part}")
                              for part in ("x", "y", "w")))
     return model, batches

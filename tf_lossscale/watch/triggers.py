@@ -50,12 +50,9 @@ class Triggers:
         """Follows `optimizer` (a `tf_lossscale.LossScaleOptimizer`) from
         its present state; None forgets it."""
         self._optimizer = optimizer
-        self.step = 0
-        self.skips_in_a_row = 0
-        self._clean = 0  # Steps without a skip since the last one.
-        self.settled_scale = None
-        self.scale = None
-        self._skipped = None
+        # `_clean`: steps without a skip since the last one.
+        self.step = self.skips_in_a_row = self._clean = 0
+        self.settled_scale = self.scale = self._skipped = None
         if optimizer is not None:
             self.scale, self._skipped = self._read()
             # Steps count on from the optimizer's (a run carried on too),
@@ -80,17 +77,11 @@ class Triggers:
         new_skips = skipped - self._skipped
         self.step += steps
         self.scale, self._skipped = scale, skipped
-        if new_skips == 0:
-            self.skips_in_a_row = 0
-            self._clean += steps
-        elif new_skips >= steps:
-            self.skips_in_a_row += new_skips
-            self._clean = 0
-        else:
-            # Which of the execution's steps were skipped is not kept: the
-            # skips are taken as its last ones.
-            self.skips_in_a_row = new_skips
-            self._clean = 0
+        self._clean = 0 if new_skips else self._clean + steps
+        # Which of an execution's steps were skipped is not kept: skips that
+        # are not all of its steps are taken as its last ones.
+        self.skips_in_a_row = new_skips + (
+            self.skips_in_a_row if new_skips >= steps else 0)
         if self._clean >= self.settle_steps:
             self.settled_scale = scale
         return self._why(previous, scale, new_skips, loss)
