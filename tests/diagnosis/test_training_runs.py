@@ -24,10 +24,16 @@ pytestmark = [pytest.mark.usefixtures("keras_isolation"),
 _SCALES = [1.0, 2.0**8, 2.0**16]
 
 
-def _normalized_model(dtype="mixed_float16", dropout=0.5, seed=0):
+@keras.saving.register_keras_serializable("tf_lossscale_tests")
+class _OwnDropout(keras.layers.Dropout):
+    """A user's dropout: a subclass of Keras' under a name of its own."""
+
+
+def _normalized_model(dtype="mixed_float16", dropout=0.5, seed=0,
+                      dropout_class=keras.layers.Dropout):
     """Large activations a BatchNormalization brings back to ~1 in training
     (its moving statistics are fresh: in inference it leaves them large),
-    then dropout."""
+    then dropout (of `dropout_class`)."""
     keras.utils.set_random_seed(seed)
     x = keras.Input((8,))
     h = keras.layers.Dense(
@@ -35,7 +41,7 @@ def _normalized_model(dtype="mixed_float16", dropout=0.5, seed=0):
         kernel_initializer=keras.initializers.RandomNormal(
             stddev=300.0, seed=seed))(x)
     h = keras.layers.BatchNormalization(dtype=dtype, name="bn")(h)
-    h = keras.layers.Dropout(dropout, dtype=dtype, name="dropout")(h)
+    h = dropout_class(dropout, dtype=dtype, name="dropout")(h)
     h = keras.layers.Dense(4, dtype=dtype, name="logits")(h)
     out = keras.layers.Activation("softmax", dtype="float32",
                                   name="probabilities")(h)
@@ -97,6 +103,22 @@ def test_dropout_is_off_in_both_runs(reports):
     assert measured["layers"] == expected["layers"]
     assert measured["variables"] == expected["variables"]
     assert model.get_layer("dropout").rate == 0.5
+
+
+def test_a_dropout_subclass_is_off_too(reports):
+    model, data, _ = reports
+    own = _normalized_model(dropout_class=_OwnDropout)
+    own.set_weights(model.get_weights())
+    without = _normalized_model(dropout=0.0)
+    without.set_weights(model.get_weights())
+
+    measured = tf_lossscale.diagnose(own, data, scales=_SCALES,
+                                     verbose=0).as_dict()
+    expected = tf_lossscale.diagnose(without, data, scales=_SCALES,
+                                     verbose=0).as_dict()
+    assert measured["layers"] == expected["layers"]
+    assert measured["variables"] == expected["variables"]
+    assert own.get_layer("dropout").rate == 0.5
 
 
 def _train_step(model, x, y):
