@@ -114,12 +114,16 @@ def test_no_other_module_reaches_into_other_libraries():
         "dynamic_loss_scale.py": ("getattr(self._",),
         # Python's own frame access (the user's line for a warning).
         "checks.py": ("sys._getframe",),
-        # A LossScaleGroup steps the loss scale it holds, and its blocks.
-        "group.py": ("inner._xla_record", "inner._needs_finiteness",
-                     "self._loss_scale._step", "self._loss_scale._eager_lock",
-                     "self._loss_scale._xla_record", "._open_block",
-                     "._discard_block", "group._end_block",
-                     "group._state_variables", "loss_scale._needs_finiteness"),
+        # A LossScaleGroup steps the loss scale it holds; its blocks and
+        # members call on the group.
+        "group.py": ("inner._xla_record", "self._loss_scale._step",
+                     "self._loss_scale._eager_lock",
+                     "self._loss_scale._xla_record",
+                     "self._loss_scale._needs_finiteness"),
+        "blocks.py": ("._open_block", "group._close_block",
+                      "group._end_block"),
+        "member.py": ("group._state_variables",
+                      "loss_scale._needs_finiteness"),
         "loss_scaled_step.py": ("member._needs_finiteness",),
         # tf_lossscale.layerwise: its model's set-up, and the loss scale's
         # update from the flag.

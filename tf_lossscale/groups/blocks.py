@@ -118,5 +118,6 @@ class _Iteration:
         if exc_type is not None:
             group._close_block()  # pylint: disable=protected-access
         else:
-            replicas.call_in_cross_replica_context(group._end_block)  # pylint: disable=protected-access
+            replicas.call_in_cross_replica_context(
+                group._end_block)  # pylint: disable=protected-access
         return False
