@@ -27,20 +27,6 @@ pytestmark = [pytest.mark.usefixtures("keras_isolation"),
 _BATCH = 8
 
 
-def _made():
-    """A compiled mixed_float16 GAN whose optimizers share a group."""
-    group = tf_lossscale.LossScaleGroup(
-        tf_lossscale.DynamicLossScale(2.0**12, 2))
-    optimizers = [tf_lossscale.LossScaleOptimizer(
-        gan.inner_optimizer(keras), loss_scale=group) for _ in range(2)]
-    model = gan.build(keras, gan.initial_weights(keras))
-    model.compile(d_optimizer=optimizers[0], g_optimizer=optimizers[1])
-    for optimizer, part in zip(optimizers, (model.discriminator,
-                                            model.generator)):
-        optimizer.build(part.trainable_variables)
-    return model, group, optimizers
-
-
 def _state(model, group, optimizers):
     return {
         "weights": [np.array(w) for w in model.get_weights()],
@@ -72,7 +58,7 @@ def _next_iteration(model, optimizers):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     keras.mixed_precision.set_global_policy("mixed_float16")
-    model, group, optimizers = _made()
+    model, group, optimizers = make_fixtures.group_gan()
     model.fit(gan.dataset(gan.data(3, _BATCH, poison_batches=[1]), _BATCH),
               verbose=0)
     # The discriminator steps once more: an iteration left open.
@@ -99,7 +85,7 @@ def saved(tmp_path_factory):
 def test_the_group_state_comes_back_bit_for_bit_and_trains_on(saved, kind):
     paths, state, after = saved
     keras.mixed_precision.set_global_policy("mixed_float16")
-    model, group, optimizers = _made()
+    model, group, optimizers = make_fixtures.group_gan()
     if kind == "checkpoint":
         tf.train.Checkpoint(model=model, d=optimizers[0],
                             g=optimizers[1]).read(paths[kind]).expect_partial()
