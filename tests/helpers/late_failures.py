@@ -19,9 +19,16 @@ powers of the step count, as they do (more slowly) in long real runs.
 
 Measured here: the logits classifier fails near step 290, the residual MLP
 near step 100, the attention classifier near step 200.
+
+What the late-failure tests share to judge a failure: a float32 twin
+compiled with the failed run's optimizer state (`compiled_with_state_of`),
+and the first layer whose outputs leave float16's range
+(`first_layer_beyond_float16`).
 """
 
 import numpy as np
+
+from tf_lossscale.ops import float16
 
 EXAMPLES = 512
 BATCH = 32
@@ -94,3 +101,28 @@ def attention_logits(model, x):
     key = attention._key_dense(inputs)  # pylint: disable=protected-access
     return float(np.abs(np.einsum("bthd,bshd->bhts", np.asarray(
         query, np.float32), np.asarray(key, np.float32))).max())
+
+
+def compiled_with_state_of(twin, inner, loss):
+    """Compiles `twin` (a float32 copy of a failed model, its weights set)
+    with a copy of `inner`, the failed run's inner optimizer, holding its
+    state; returns `twin`."""
+    optimizer = type(inner).from_config(inner.get_config())
+    twin.compile(optimizer=optimizer, loss=loss)
+    optimizer.build(twin.trainable_variables)
+    for source, target in zip(inner.variables, optimizer.variables):
+        target.assign(source)
+    return twin
+
+
+def first_layer_beyond_float16(keras, model, x):
+    """The first layer, in the order the model runs them, whose float32
+    outputs exceed float16's largest value on `x` (in inference); None if
+    none does."""
+    layers = [layer for layer in model.layers
+              if not isinstance(layer, keras.layers.InputLayer)]
+    outputs = keras.Model(model.inputs[0], [l.output for l in layers])(
+        x, training=False)
+    return next((layer.name for layer, out in zip(layers, outputs)
+                 if np.abs(np.asarray(out)).max() > float16.FLOAT16_MAX),
+                None)

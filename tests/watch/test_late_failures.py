@@ -52,24 +52,8 @@ def _float32_twin(build, failed):
     keras.mixed_precision.set_global_policy("float32")
     twin = build(keras)
     twin.set_weights(failed.get_weights())
-    inner = failed.optimizer.inner_optimizer
-    optimizer = type(inner).from_config(inner.get_config())
-    twin.compile(optimizer=optimizer, loss=_loss())
-    optimizer.build(twin.trainable_variables)
-    for source, target in zip(inner.variables, optimizer.variables):
-        target.assign(source)
-    return twin
-
-
-def _first_layer_beyond_float16(model, x):
-    """The first layer, in the order the model runs them, whose float32
-    outputs exceed float16's largest value on `x`; None if none does."""
-    layers = [layer for layer in model.layers
-              if not isinstance(layer, keras.layers.InputLayer)]
-    outputs = keras.Model(model.inputs[0], [l.output for l in layers])(x)
-    return next((layer.name for layer, out in zip(layers, outputs)
-                 if np.abs(np.asarray(out)).max() > float16.FLOAT16_MAX),
-                None)
+    return late.compiled_with_state_of(
+        twin, failed.optimizer.inner_optimizer, _loss())
 
 
 # The model, its data, Lion's learning rate, epochs of 16 steps (a few more
@@ -124,11 +108,11 @@ def test_the_report_names_the_layer_that_overflows(run):
     twin = run["twin_at_failure"]
     if run["name"] == "attention":
         # Its outputs stay small: the attention logits inside overflow.
-        assert _first_layer_beyond_float16(twin, x) is None
+        assert late.first_layer_beyond_float16(keras, twin, x) is None
         assert late.attention_logits(twin, x) > float16.FLOAT16_MAX
         expected = "attention"
     else:
-        expected = _first_layer_beyond_float16(twin, x)
+        expected = late.first_layer_beyond_float16(keras, twin, x)
     assert expected is not None
     assert report.diagnosis.first_nonfinite_layer == expected
     assert repr(expected) in report.cause

@@ -133,13 +133,8 @@ def _float32_twin(failed):
     gains' step counts too) and its inner optimizer's state."""
     twin = late_underflow.drifting_model(policy="float32")
     twin.set_weights(failed.get_weights())
-    inner = failed.optimizer.inner_optimizer
-    optimizer = type(inner).from_config(inner.get_config())
-    twin.compile(optimizer=optimizer, loss="mse")
-    optimizer.build(twin.trainable_variables)
-    for source, target in zip(inner.variables, optimizer.variables):
-        target.assign(source)
-    return twin
+    return late.compiled_with_state_of(
+        twin, failed.optimizer.inner_optimizer, "mse")
 
 
 def _low_weights(model):

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import tf_lossscale
+from tests.helpers import late_failures
 from tests.helpers import model_zoo
-from tf_lossscale.ops import float16
 
 pytestmark = [pytest.mark.usefixtures("keras_isolation"),
               pytest.mark.xdist_group("watch_zoo_late_failure")]
@@ -83,24 +83,7 @@ def _float32_copy(weights, inner):
     failed run's inner optimizer)."""
     twin = model_zoo.mobilenet_v2(keras, policy="float32")
     twin.set_weights(weights)
-    optimizer = type(inner).from_config(inner.get_config())
-    twin.compile(optimizer=optimizer, loss=twin.loss)
-    optimizer.build(twin.trainable_variables)
-    for source, target in zip(inner.variables, optimizer.variables):
-        target.assign(source)
-    return twin
-
-
-def _first_layer_beyond_float16(model, x):
-    """The first layer, in the order the model runs them, whose float32
-    outputs exceed float16's largest value on `x`; None if none does."""
-    layers = [layer for layer in model.layers
-              if not isinstance(layer, keras.layers.InputLayer)]
-    outputs = keras.Model(model.inputs[0], [l.output for l in layers])(
-        x, training=False)
-    return next((layer.name for layer, out in zip(layers, outputs)
-                 if np.abs(np.asarray(out)).max() > float16.FLOAT16_MAX),
-                None)
+    return late_failures.compiled_with_state_of(twin, inner, twin.loss)
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +106,8 @@ def run(tmp_path_factory):
         weights = failed.get_weights()
         inner = failed.optimizer.inner_optimizer
         twin = _float32_copy(weights, inner)
-        expected = _first_layer_beyond_float16(twin, data[0][0])
+        expected = late_failures.first_layer_beyond_float16(
+            keras, twin, data[0][0])
         reference = twin.fit(x, y, batch_size=model_zoo.IMAGE_BATCH,
                              shuffle=False, verbose=0,
                              initial_epoch=history.epoch[0], epochs=EPOCHS)
