@@ -49,15 +49,17 @@ def keras_isolation(_clear_keras_session_after_module):
 
 
 LONGEST_GROUPS = (
-    "model_zoo_mobilenet_v2", "quick_benchmark", "model_zoo_resnet50",
-    "watch_zoo_late_failure", "multi_worker", "watch_reach",
-    "model_zoo_text", "watch_per_layer", "fix_reports",
-    "watch_late_failures", "tf_keras_interpreter")
+    "model_zoo_mobilenet_v2", "quick_benchmark", "watch_zoo_late_failure",
+    "model_zoo_text", "tf_keras_interpreter", "multi_worker",
+    "watch_late_failures", "model_zoo_mobilenet_v3_small", "watch_reach",
+    "restore_across_wrapping", "diagnosis_reports_tf_keras_interpreter",
+    "watch_per_layer", "fix_reports")
 """The xdist groups that take longest, longest first (`--durations=0` of
-the whole suite, TF 2.21, 2026-11-29: from about 13% of the suite's time
-for the first down to about 1%). With `--dist loadgroup` they are handed out
-first, so that no long group starts while the other workers are running out
-of work; the tests outside any group fill in at the end."""
+the whole suite, TF 2.21, idle 2 cores, 2026-11-29: from about 100 s of the
+suite's 1,100 test-seconds for the first down to about 10 s). With `--dist
+loadgroup` they are handed out first, so that no long group starts while the
+other workers are running out of work; the tests outside any group fill in
+at the end."""
 
 
 def _group(item):
