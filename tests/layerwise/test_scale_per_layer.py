@@ -232,10 +232,25 @@ def _with_middle(layer):
     return model
 
 
-def test_a_lambda_layer_keras_will_not_rebuild_is_shared():
-    # Keras' safe mode refuses to rebuild a Lambda from its config; it has
-    # no state, so the scaled model calls the original's.
-    doubled = keras.layers.Lambda(lambda t: t * 2, name="doubled")
+class _UnrebuildableScaling(keras.layers.Layer):
+    """A layer without state whose config lacks an argument it needs."""
+
+    def __init__(self, factor, **kwargs):
+        super().__init__(**kwargs)
+        self.factor = factor
+
+    def call(self, inputs):
+        return inputs * self.factor
+
+    def get_config(self):  # A user's, which forgot `factor`.
+        config = super().get_config()
+        config.pop("factor", None)
+        return config
+
+
+def test_a_layer_without_state_that_cannot_be_rebuilt_is_shared():
+    # As a Lambda is, where Keras' safe mode will not rebuild it.
+    doubled = _UnrebuildableScaling(2.0, name="doubled")
     model = _with_middle(doubled)
     x, _ = models.data()
 
