@@ -449,7 +449,15 @@ def _two_outputs():
     return keras.Model(x, [keras.layers.Dense(1)(x), keras.layers.Dense(1)(x)])
 
 
+def _unbuilt_sequential():
+    return keras.Sequential([keras.layers.Dense(1)], name="unbuilt")
+
+
 @pytest.mark.parametrize("make, kwargs, error, match", [
+    (lambda: "a model", {"loss": "mse"}, TypeError,
+     "model must be a Keras model, got 'a model'"),
+    (_unbuilt_sequential, {"loss": "mse"}, TypeError,
+     "model 'unbuilt' is not built: build it"),
     (_Subclassed, {"loss": "mse"}, TypeError, "subclassed"),
     (_two_outputs, {"loss": "mse"}, TypeError, "2 outputs"),
     (lambda: float16_models.underflowing_model(keras), {"steps": 0},

@@ -121,6 +121,36 @@ def test_a_dropout_subclass_is_off_too(reports):
     assert own.get_layer("dropout").rate == 0.5
 
 
+def _recurrent_model(dropout):
+    """A float16 recurrent layer with dropout on its inputs and its state."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((4, 8))
+    h = keras.layers.SimpleRNN(8, dropout=dropout, recurrent_dropout=dropout,
+                               dtype="mixed_float16", name="rnn")(x)
+    out = keras.layers.Dense(4, activation="softmax", dtype="float32",
+                             name="probabilities")(h)
+    model = keras.Model(x, out)
+    model.compile(loss="sparse_categorical_crossentropy")
+    return model
+
+
+def test_recurrent_dropout_is_off_too():
+    model, without = _recurrent_model(0.5), _recurrent_model(0.0)
+    without.set_weights(model.get_weights())
+    rng = np.random.default_rng(2)
+    data = [(rng.standard_normal((16, 4, 8)).astype(np.float32),
+             rng.integers(0, 4, 16))]
+
+    measured = tf_lossscale.diagnose(model, data, scales=_SCALES,
+                                     verbose=0).as_dict()
+    expected = tf_lossscale.diagnose(without, data, scales=_SCALES,
+                                     verbose=0).as_dict()
+    assert measured["layers"] == expected["layers"]
+    assert measured["variables"] == expected["variables"]
+    cell = model.get_layer("rnn").cell
+    assert (cell.dropout, cell.recurrent_dropout) == (0.5, 0.5)
+
+
 def _train_step(model, x, y):
     model.train_on_batch(x, y)
     return [w.numpy().tobytes() for w in model.weights]

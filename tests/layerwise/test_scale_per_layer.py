@@ -204,6 +204,89 @@ def test_compile_wraps_a_plain_optimizer_and_refuses_a_scale_that_never_skips():
         scaled.compile(fixed, "mse")
 
 
+def test_a_plain_optimizer_is_wrapped_with_the_default_loss_scale():
+    model = models.gained_model()
+    model.compile(keras.optimizers.SGD(0.25, momentum=0.5), "mse")
+
+    scaled = layerwise.scale_per_layer(model)
+
+    optimizer = scaled.optimizer
+    assert isinstance(optimizer, tf_lossscale.LossScaleOptimizer)
+    assert optimizer.inner_optimizer is not model.optimizer
+    assert optimizer.inner_optimizer.get_config() == (
+        model.optimizer.get_config())
+    assert optimizer.loss_scale.get_config() == (
+        tf_lossscale.DynamicLossScale().get_config())
+
+
+def _with_middle(layer):
+    """Dense, `layer`, Dense; compiled."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((models.FEATURES,))
+    h = keras.layers.Dense(5, dtype="mixed_float16", name="one")(x)
+    h = layer(h)
+    out = keras.layers.Dense(1, dtype="float32", name="two")(h)
+    model = keras.Model(x, out)
+    model.compile(tf_lossscale.LossScaleOptimizer(keras.optimizers.SGD()),
+                  "mse")
+    return model
+
+
+class _UnrebuildableScaling(keras.layers.Layer):
+    """A layer without state whose config lacks an argument it needs."""
+
+    def __init__(self, factor, **kwargs):
+        super().__init__(**kwargs)
+        self.factor = factor
+
+    def call(self, inputs):
+        return inputs * self.factor
+
+    def get_config(self):  # A user's, which forgot `factor`.
+        config = super().get_config()
+        config.pop("factor", None)
+        return config
+
+
+def test_a_layer_without_state_that_cannot_be_rebuilt_is_shared():
+    # As a Lambda is, where Keras' safe mode will not rebuild it.
+    doubled = _UnrebuildableScaling(2.0, name="doubled")
+    model = _with_middle(doubled)
+    x, _ = models.data()
+
+    scaled = layerwise.scale_per_layer(model)
+
+    assert scaled.get_layer("doubled") is doubled
+    np.testing.assert_array_equal(scaled(x), model(x))
+
+
+class _Unrebuildable(keras.layers.Layer):
+    """A layer with a weight whose config lacks an argument it needs."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], self.units))
+
+    def call(self, inputs):
+        return inputs @ self.kernel
+
+    def get_config(self):  # A user's, which forgot `units`.
+        config = super().get_config()
+        config.pop("units", None)
+        return config
+
+
+def test_a_layer_with_weights_that_cannot_be_rebuilt_is_refused_by_name():
+    model = _with_middle(_Unrebuildable(3, name="custom"))
+
+    with pytest.raises(TypeError, match="could not rebuild layer 'custom' "
+                       "from its config"):
+        layerwise.scale_per_layer(model)
+
+
 def test_get_unscaled_gradients_is_refused_for_a_scaled_model():
     scaled = layerwise.scale_per_layer(models.gained_model())
     with pytest.raises(ValueError, match="scale_loss"):

@@ -191,6 +191,32 @@ def test_checkpoint_restores_loss_scale_and_optimizer_state(
     _assert_same_state(_state(restored), _state(model))
 
 
+def test_checkpoint_restores_an_optimizer_with_a_learning_rate_schedule(
+        tmp_path):
+    def compiled(seed):
+        model = models.tiny_model(seed)
+        schedule = keras.optimizers.schedules.ExponentialDecay(0.01, 2, 0.5)
+        model.compile(LossScaleOptimizer(
+            keras.optimizers.Adam(schedule),
+            tf_lossscale.DynamicLossScale(**_LOSS_SCALE_CONFIG)), "mse")
+        return model
+
+    model = compiled(seed=0)
+    _train(model, _STEPS_BEFORE_SAVE)
+    path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
+        str(tmp_path / "ckpt"))
+    restored = compiled(seed=1)
+    restored.optimizer.build(restored.trainable_variables)
+
+    # The schedule is no variable: nothing of it is saved, nothing is left.
+    tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).restore(
+        path).assert_consumed()
+
+    _assert_same_state(_state(restored), _state(model))
+    assert float(restored.optimizer.learning_rate) == float(
+        model.optimizer.learning_rate)
+
+
 def test_checkpoint_holds_loss_scale_variables_under_loss_scale(
         tmp_path, trained_model):
     optimizer = trained_model.optimizer

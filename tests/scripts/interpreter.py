@@ -68,7 +68,17 @@ def main():
     # Stdin closed: the session is over. Threads that TensorFlow or a request
     # left running would hold a normal exit (seen: 30 s and more).
     sys.stderr.flush()
+    _save_coverage()
     os._exit(0)  # pylint: disable=protected-access
+
+
+def _save_coverage():
+    # os._exit skips atexit, where coverage (if it measures us) would save.
+    coverage = sys.modules.get("coverage")
+    current = coverage and coverage.Coverage.current()
+    if current is not None:
+        current.stop()
+        current.save()
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ _BAD_COMMANDS = [
      ".png"),
     ("--steps=0", "flag --steps=0: must be an int >= 1"),
     ("--config={bad_config}", "error: unknown config key 'learning_rat'"),
+    ("stray", "unexpected arguments: stray"),
 ]
 
 

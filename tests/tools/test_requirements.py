@@ -193,6 +193,32 @@ def test_tf_keras_outside_its_extra_range_raises_when_older(release, version,
         release(versions.TF_KERAS, version)
 
 
+def test_a_missing_tf_keras_raises_import_error_saying_what_to_install(
+        monkeypatch):
+    monkeypatch.setitem(sys.modules, "tf_keras", None)  # Not importable.
+    with pytest.raises(ImportError) as error:
+        versions.check(versions.TF_KERAS)
+    message = str(error.value)
+    assert "but `import tf_keras` finds none." in message
+    assert f'pip install "tf-keras{_RANGE}"' in message
+
+
+def test_a_tensorflow_no_known_distribution_installed_gets_the_plain_line(
+        tmp_path, monkeypatch):
+    # A TensorFlow built from source, or installed by a distribution the
+    # package does not know: the line names the plain one, and says so.
+    unknown = types.ModuleType("tensorflow")
+    unknown.__file__ = str(tmp_path / "tensorflow" / "__init__.py")
+    unknown.__version__ = "2.15.0"
+    monkeypatch.setitem(sys.modules, "tensorflow", unknown)
+    with pytest.raises(ImportError) as error:
+        versions.check(versions.TENSORFLOW)
+    message = str(error.value)
+    _assert_explains(message, "2.15.0")
+    assert (f'pip install "tensorflow{_RANGE}"   # or the TensorFlow '
+            "distribution you use") in message
+
+
 def test_the_installed_releases_are_tested_ones():
     # What CI runs on: no warning, no error.
     assert versions.check(versions.TENSORFLOW) is None

@@ -1,7 +1,10 @@
 """`FailureWatch.after_step` in a custom training loop: the default raises
 `Float16FailureError` with the report as its message; `report.fix(model)`
 gives a model whose optimizer holds the failed one's state, and the loop
-goes on with it."""
+goes on with it. The report names the cause, saves its files, and its
+`fix` refuses what it cannot carry on."""
+
+import json
 
 import keras
 import numpy as np
@@ -101,3 +104,98 @@ def test_the_report_is_written_for_tensorboard(failed):
              for value in event.summary.value
              if value.tag == "float16_failure"]
     assert texts == [(error.report.step, str(error.report))]
+
+
+def test_fix_continues_at_the_scale_given(failed):
+    model, error, _, _ = failed
+    scale = error.report.settled_scale / 4
+    fixed = error.report.fix(model, scale=scale)
+    assert float(fixed.optimizer.loss_scale()) == scale
+    assert int(fixed.optimizer.iterations) == int(model.optimizer.iterations)
+
+
+def test_fix_refuses_a_model_without_a_tf_lossscale_optimizer(failed):
+    _, error, _, _ = failed
+    # The model diagnosed, layer for layer, compiled with a plain optimizer.
+    plain = late.logits_classifier(keras)
+    plain.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(TypeError, match="carrying a run on needs a model "
+                       "compiled with a tf_lossscale.LossScaleOptimizer"):
+        error.report.fix(plain)
+
+
+def test_fix_refuses_optimizers_for_a_model_in_no_group(failed):
+    model, error, _, _ = failed
+    with pytest.raises(ValueError, match="optimizers is for an optimizer in "
+                       "a LossScaleGroup"):
+        error.report.fix(model, optimizers=[model.optimizer])
+
+
+def test_the_report_saved_without_a_model_has_no_bundle(failed, tmp_path):
+    _, error, _, _ = failed
+    path = error.report.save(tmp_path / "report")
+    assert (path / "report.txt").read_text() == str(error.report) + "\n"
+    saved = json.loads((path / "report.json").read_text())
+    assert (saved["step"], saved["cause"]) == (error.report.step,
+                                                error.report.cause)
+    assert not (path / "bundle").exists()
+
+
+def test_a_bundle_that_cannot_be_written_warns_and_the_report_is_saved(
+        failed, tmp_path):
+    model, error, _, _ = failed
+    (tmp_path / "bundle").write_text("a file where the bundle would go")
+    with pytest.warns(UserWarning, match="reproduction bundle could not be "
+                      "saved"):
+        error.report.save(tmp_path, model)
+    assert (tmp_path / "report.txt").read_text() == str(error.report) + "\n"
+
+
+def test_load_bundle_of_a_directory_without_one_says_so(tmp_path):
+    with pytest.raises(ValueError, match="holds no bundle"):
+        tf_lossscale.watch.load_bundle(tmp_path)
+
+
+def _report(failed, diagnosis):
+    """The failure's report, with another diagnosis."""
+    report = failed[1].report
+    return tf_lossscale.FailureReport(
+        step=report.step, reason=report.reason, scale=report.scale,
+        settled_scale=report.settled_scale,
+        skipped_steps=report.skipped_steps, diagnosis=diagnosis,
+        baseline=None, batches=report.batches)
+
+
+def test_the_cause_is_the_data_when_the_diagnosed_inputs_hold_nan(failed):
+    model, _, batches, _ = failed
+    x, y = batches[0]
+    x = x.copy()
+    x[0, 0] = np.nan
+    report = _report(failed, tf_lossscale.diagnose(model, [(x, y)],
+                                                   verbose=0))
+    assert report.cause == "the inputs hold NaN or Inf"
+    assert "Cause: the inputs hold NaN or Inf." in str(report)
+
+
+def test_the_cause_of_batches_that_run_healthy_says_to_pass_the_failing_ones(
+        failed):
+    model, error, batches, _ = failed
+    # The fixed model keeps the overflowing layer in float32.
+    fixed = error.report.fix(model)
+    report = _report(failed, tf_lossscale.diagnose(fixed, batches[:1],
+                                                   verbose=0))
+    assert report.cause.startswith("no layer overflows on the diagnosed "
+                                   "batches")
+
+
+def test_the_cause_of_a_backward_pass_that_overflows_at_every_scale(failed):
+    _, _, batches, _ = failed
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    fresh = late.logits_classifier(keras)
+    fresh.compile(loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True))
+    report = _report(failed, tf_lossscale.diagnose(
+        fresh, batches[:1], scales=[2.0**40], verbose=0))
+    assert report.diagnosis.first_nonfinite_layer is None
+    assert report.cause == ("the float16 backward pass overflows at every "
+                            "loss scale probed")
