@@ -105,6 +105,17 @@ def test_dropout_is_off_in_both_runs(reports):
     assert model.get_layer("dropout").rate == 0.5
 
 
+def _assert_diagnosed_alike(model, without, data):
+    """`model`'s diagnosis has the rows of `without`'s, the same model
+    without its random layers."""
+    measured = tf_lossscale.diagnose(model, data, scales=_SCALES,
+                                     verbose=0).as_dict()
+    expected = tf_lossscale.diagnose(without, data, scales=_SCALES,
+                                     verbose=0).as_dict()
+    assert measured["layers"] == expected["layers"]
+    assert measured["variables"] == expected["variables"]
+
+
 def test_a_dropout_subclass_is_off_too(reports):
     model, data, _ = reports
     own = _normalized_model(dropout_class=_OwnDropout)
@@ -112,12 +123,7 @@ def test_a_dropout_subclass_is_off_too(reports):
     without = _normalized_model(dropout=0.0)
     without.set_weights(model.get_weights())
 
-    measured = tf_lossscale.diagnose(own, data, scales=_SCALES,
-                                     verbose=0).as_dict()
-    expected = tf_lossscale.diagnose(without, data, scales=_SCALES,
-                                     verbose=0).as_dict()
-    assert measured["layers"] == expected["layers"]
-    assert measured["variables"] == expected["variables"]
+    _assert_diagnosed_alike(own, without, data)
     assert own.get_layer("dropout").rate == 0.5
 
 
@@ -141,12 +147,7 @@ def test_recurrent_dropout_is_off_too():
     data = [(rng.standard_normal((16, 4, 8)).astype(np.float32),
              rng.integers(0, 4, 16))]
 
-    measured = tf_lossscale.diagnose(model, data, scales=_SCALES,
-                                     verbose=0).as_dict()
-    expected = tf_lossscale.diagnose(without, data, scales=_SCALES,
-                                     verbose=0).as_dict()
-    assert measured["layers"] == expected["layers"]
-    assert measured["variables"] == expected["variables"]
+    _assert_diagnosed_alike(model, without, data)
     cell = model.get_layer("rnn").cell
     assert (cell.dropout, cell.recurrent_dropout) == (0.5, 0.5)
 

@@ -41,15 +41,15 @@ pytestmark = [pytest.mark.usefixtures("keras_isolation"),
               pytest.mark.xdist_group("keras_saving")]
 
 
-def _optimizer():
+def _optimizer(learning_rate=0.01):
     return LossScaleOptimizer(
-        keras.optimizers.Adam(0.01),
+        keras.optimizers.Adam(learning_rate),
         tf_lossscale.DynamicLossScale(**_LOSS_SCALE_CONFIG))
 
 
-def _compiled_model(seed=0, jit_compile=False):
+def _compiled_model(seed=0, jit_compile=False, learning_rate=0.01):
     model = models.tiny_model(seed)
-    model.compile(_optimizer(), "mse", jit_compile=jit_compile)
+    model.compile(_optimizer(learning_rate), "mse", jit_compile=jit_compile)
     return model
 
 
@@ -177,40 +177,38 @@ def trained_model():
     return model
 
 
+def _restore_checkpoint_of(model, restored, directory):
+    """Saves `model` and its optimizer in a checkpoint and restores it into
+    `restored` (its optimizer built first), every value of it used."""
+    path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
+        str(directory / "ckpt"))
+    restored.optimizer.build(restored.trainable_variables)
+    tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).restore(
+        path).assert_consumed()
+
+
 def test_checkpoint_restores_loss_scale_and_optimizer_state(
         tmp_path, trained_model):
     model = trained_model
-    path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
-        str(tmp_path / "ckpt"))
     restored = _compiled_model(seed=1)
-    restored.optimizer.build(restored.trainable_variables)
 
-    tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).restore(
-        path).assert_consumed()
+    _restore_checkpoint_of(model, restored, tmp_path)
 
     _assert_same_state(_state(restored), _state(model))
 
 
+def _schedule():
+    return keras.optimizers.schedules.ExponentialDecay(0.01, 2, 0.5)
+
+
 def test_checkpoint_restores_an_optimizer_with_a_learning_rate_schedule(
         tmp_path):
-    def compiled(seed):
-        model = models.tiny_model(seed)
-        schedule = keras.optimizers.schedules.ExponentialDecay(0.01, 2, 0.5)
-        model.compile(LossScaleOptimizer(
-            keras.optimizers.Adam(schedule),
-            tf_lossscale.DynamicLossScale(**_LOSS_SCALE_CONFIG)), "mse")
-        return model
-
-    model = compiled(seed=0)
+    model = _compiled_model(seed=0, learning_rate=_schedule())
     _train(model, _STEPS_BEFORE_SAVE)
-    path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
-        str(tmp_path / "ckpt"))
-    restored = compiled(seed=1)
-    restored.optimizer.build(restored.trainable_variables)
+    restored = _compiled_model(seed=1, learning_rate=_schedule())
 
     # The schedule is no variable: nothing of it is saved, nothing is left.
-    tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).restore(
-        path).assert_consumed()
+    _restore_checkpoint_of(model, restored, tmp_path)
 
     _assert_same_state(_state(restored), _state(model))
     assert float(restored.optimizer.learning_rate) == float(
