@@ -71,7 +71,9 @@ def update_from_grads(loss_scale, grads):
     # pylint: disable=protected-access
     return replicas.call_in_cross_replica_context(
         lambda grads: loss_scale._update_from_all_finite(
-            replicas.all_replicas_true(finiteness.all_finite, grads),
+            replicas.all_replicas_true(  # Checked as each replica's.
+                lambda local: finiteness.all_finite(checks.gradients(local)),
+                grads),
             gated=tf.compat.v1.executing_eagerly_outside_functions()), grads)
 
 

@@ -16,23 +16,12 @@ _STACKED_ELEMENTS = 1 << 16
 
 
 def flatten_gradients(grads):
-    """Returns the gradients in `grads` as a flat list, `None`s removed.
-
-    Raises:
-      TypeError: a gradient is not a floating-point tensor.
-    """
-    flat = []
-    for index, grad in enumerate(tf.nest.flatten(grads)):
-        if grad is None:
-            continue
-        if not isinstance(grad, tf.IndexedSlices):
-            grad = tf.convert_to_tensor(grad)
-        if not grad.dtype.is_floating:
-            raise TypeError(
-                f"grads must be floating-point tensors, but gradient {index} "
-                f"of the flattened grads has dtype {grad.dtype.name}")
-        flat.append(grad)
-    return flat
+    """The gradients in `grads` as a flat list of tensors and
+    `tf.IndexedSlices`, `None`s removed (their dtypes are the caller's to
+    check: `_internal/checks.gradients`)."""
+    return [grad if isinstance(grad, tf.IndexedSlices)
+            else tf.convert_to_tensor(grad)
+            for grad in tf.nest.flatten(grads) if grad is not None]
 
 
 def dense_values(grad):
@@ -100,11 +89,8 @@ def _sum_check(large):
 
 
 def all_finite(grads):
-    """Returns a scalar bool tensor: True iff no gradient holds NaN or +-Inf.
-
-    Raises:
-      TypeError: a gradient is not a floating-point tensor.
-    """
+    """Returns a scalar bool tensor: True iff no gradient holds NaN or +-Inf
+    (floating-point gradients: the caller checks them)."""
     values = _through_splits(
         [dense_values(grad) for grad in flatten_gradients(grads)])
     flags = [is_finite(stacked) for _, stacked
