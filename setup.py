@@ -89,8 +89,9 @@ setuptools.setup(
         # than over a tensorflow-cpu. pytest-xdist: pytest.ini runs the suite
         # on a process per core.
         "test": _TENSORFLOW_EXTRAS["tensorflow"] + [
-            # pytest 9.2 breaks pytest-xdist 3.8's groups (pytest-xdist#1386).
-            "pytest<9.2", "pytest-xdist", "absl-py", "matplotlib", "tensorboard" + _TF,
+            # pytest 9.2 breaks pytest-xdist 3.8's groups (pytest-xdist#1386);
+            # 9.0 brought faulthandler_exit_on_timeout (pytest.ini).
+            "pytest>=9.0,<9.2", "pytest-xdist", "absl-py", "matplotlib", "tensorboard" + _TF,
             _TF_KERAS],
         # The documentation site: `mkdocs build --strict` (.ci/docs). Reads
         # the source with griffe; needs no TensorFlow.

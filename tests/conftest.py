@@ -29,15 +29,12 @@ tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices("CPU")[0],
     [tf.config.LogicalDeviceConfiguration()] * NUM_LOGICAL_CPUS)
 
-# Input pipelines run synchronously, without autotuning. Under CPU load
-# (the subprocess tests beside the other worker), TensorFlow's autotuned
-# iterators, when Python's garbage collector destroys them after a `fit`,
-# wait for their autotune thread to wake on its own: up to its optimization
-# period, which grows to a minute. That idled the suite about 90 s a run.
-# The batches hold the same values; a `fit(shuffle=True)` on arrays draws
-# its (still seeded) order eagerly, so another order than outside debug
-# mode. The whole suite passes in both modes (TF 2.16 and TF 2.21).
-tf.data.experimental.enable_debug_mode()
+# Not tf.data's debug mode (tf.data.experimental.enable_debug_mode), though
+# it would spare the suite the waits of autotuned iterators destroyed under
+# CPU load: under it, destroying a MirroredStrategy input iterator while its
+# prefetch thread runs the pipeline's Python crashes the process (TF 2.21,
+# MultiDeviceIterator; a segmentation fault in 1 of about 45 `fit`s when
+# loaded, none in 240 without debug mode).
 
 
 @pytest.fixture(scope="module")

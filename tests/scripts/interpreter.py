@@ -11,9 +11,8 @@ on stdin is one JSON request, each answered by one JSON line:
 or `{"error": "<traceback>"}`. Answers go to the descriptor that was stdout;
 whatever the code prints or TensorFlow logs goes to stderr, except what an
 `exec` prints, which is its answer. Like the pytest process, this one splits
-its CPU into 4 logical devices before TensorFlow initialises them, runs
-`tf.data` in its debug mode, and gives back the global dtype policy a request
-changed.
+its CPU into 4 logical devices before TensorFlow initialises them, and gives
+back the global dtype policy a request changed.
 """
 
 import contextlib
@@ -63,8 +62,6 @@ def main():
     tf.config.set_logical_device_configuration(
         tf.config.list_physical_devices("CPU")[0],
         [tf.config.LogicalDeviceConfiguration()] * NUM_LOGICAL_CPUS)
-    # As in the pytest process (tests/conftest.py says why).
-    tf.data.experimental.enable_debug_mode()
     for line in sys.stdin:
         answers.write(json.dumps(_answer(json.loads(line))) + "\n")
         answers.flush()
