@@ -3,12 +3,14 @@ as a failure naming the test, instead of a wait for CI's time limit.
 
 pytest-xdist 3.8 under `--dist loadgroup` replaces a crashed worker and then
 waits forever (pytest-xdist#1323, #1327): a segmentation fault in one test
-once held CI for 90 minutes. These runs use pytest.ini as it is, on test
+once held CI until its 90-minute limit. These runs use pytest.ini as it is, on test
 files without TensorFlow, so they take seconds.
 """
 
 import subprocess
 import sys
+
+import pytest
 
 from tests import helpers
 
@@ -40,12 +42,18 @@ def _run(tmp_path, failing_body, *options):
         (tmp_path / f"test_case_{n}.py").write_text(
             _GROUPED_AND_PLAIN.format(n=n, body=body).replace(
                 "together", f"together_{n}"))
-    # Bounds the hang this guards against, not a speed requirement.
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-c", str(helpers.ROOT / "pytest.ini"),
-         "--rootdir", str(tmp_path), "-n", "2", "-p", "no:cacheprovider",
-         *options, str(tmp_path)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    try:
+        # Bounds the hang this guards against, not a speed requirement.
+        return subprocess.run(
+            [sys.executable, "-m", "pytest", "-c",
+             str(helpers.ROOT / "pytest.ini"), "--rootdir", str(tmp_path),
+             "-n", "2", "-p", "no:cacheprovider", *options, str(tmp_path)],
+            cwd=tmp_path, capture_output=True, text=True, timeout=120,
+            check=False)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the run did not end within 120 s: is a crashed worker "
+                    "replaced (pytest.ini's --max-worker-restart)? "
+                    "pytest-xdist then waits forever (pytest-xdist#1323)")
 
 
 def test_a_crashed_worker_fails_the_run_naming_the_test(tmp_path):
