@@ -3,8 +3,8 @@ as a failure naming the test, instead of a wait for CI's time limit.
 
 pytest-xdist 3.8 under `--dist loadgroup` replaces a crashed worker and then
 waits forever (pytest-xdist#1323, #1327): a segmentation fault in one test
-once held CI until its 90-minute limit. These runs use pytest.ini as it is, on test
-files without TensorFlow, so they take seconds.
+once held CI until its 90-minute limit. These runs use pytest.ini as it
+is, on test files without TensorFlow, so they take seconds.
 """
 
 import subprocess
@@ -21,12 +21,12 @@ import time
 import pytest
 
 
-@pytest.mark.xdist_group("together")
+@pytest.mark.xdist_group("together_{n}")
 def test_grouped_first():
     pass
 
 
-@pytest.mark.xdist_group("together")
+@pytest.mark.xdist_group("together_{n}")
 def test_grouped_second():
     pass
 
@@ -40,8 +40,7 @@ def _run(tmp_path, failing_body, *options):
     for n in range(4):
         body = failing_body if n == 1 else "time.sleep(0.2)"
         (tmp_path / f"test_case_{n}.py").write_text(
-            _GROUPED_AND_PLAIN.format(n=n, body=body).replace(
-                "together", f"together_{n}"))
+            _GROUPED_AND_PLAIN.format(n=n, body=body))
     try:
         # Bounds the hang this guards against, not a speed requirement.
         return subprocess.run(
