@@ -97,8 +97,12 @@ def pytest_collection_modifyitems(config, items):
     # With pytest.ini's xdist, one worker runs every test of the session's
     # tf-keras process (one more TensorFlow import saved).
     for item in items:
-        if "tf_keras_interpreter" in getattr(item, "fixturenames", ()):
+        fixtures = getattr(item, "fixturenames", ())
+        if "tf_keras_interpreter" in fixtures:
             item.add_marker(pytest.mark.xdist_group("tf_keras_interpreter"))
+        # The benchmark's whole run is a proof at scale (pytest.ini).
+        if "quick_benchmark" in fixtures:
+            item.add_marker(pytest.mark.at_scale)
     if getattr(config.option, "loadgroup", False):
         items.sort(key=_order)  # Stable: the collection's order otherwise.
 

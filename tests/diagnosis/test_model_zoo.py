@@ -38,7 +38,8 @@ import tf_lossscale
 
 from tests.helpers import model_zoo  # pylint: disable=g-bad-import-order
 
-pytestmark = pytest.mark.usefixtures("keras_isolation")
+pytestmark = [pytest.mark.usefixtures("keras_isolation"),
+              pytest.mark.at_scale]  # pytest.ini
 
 STEPS = 32
 """Applied training steps of the runs the judge compares (in 16, MobileNetV2's

@@ -505,6 +505,43 @@ def test_ci_installs_the_keras_hub_extra_the_test_extra_leaves_out():
         _ROOT / ".ci" / "run").read_text()
 
 
+def _collected(*arguments):
+    """The test ids pytest collects with `arguments`, and its exit code."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0",
+         "-p", "no:cacheprovider", *arguments],
+        cwd=_ROOT, env=env, capture_output=True, text=True, check=False)
+    return {line for line in done.stdout.splitlines() if "::" in line}, (
+        done.returncode)
+
+
+def test_the_proofs_at_scale_are_the_zoo_and_the_benchmarks_run():
+    # CI leaves the tests marked `at_scale` out with the oldest releases:
+    # they must be the proofs on others' models and the benchmark's whole
+    # run, and nothing that tests a release's API.
+    at_scale, status = _collected("-m", "at_scale", "tests")
+    assert status == 0
+    zoo = {"tests/diagnosis/test_model_zoo.py",
+           "tests/watch/test_zoo_late_failure.py"}
+    assert {test.split("::")[0] for test in at_scale} == zoo | {
+        "tests/tools/test_benchmark_quick.py",
+        "tests/tools/test_hot_path_benchmark.py",
+        "tests/tools/test_gradient_stats_benchmark.py"}
+    # The zoo's files are proofs at scale throughout.
+    rest, status = _collected("-m", "not at_scale", *sorted(zoo))
+    assert (rest, status) == (set(), pytest.ExitCode.NO_TESTS_COLLECTED)
+    # Of the benchmark's, those that read its whole quick run (conftest's
+    # `quick_benchmark`); those that build their own steps run with both.
+    for test in at_scale - {t for t in at_scale if t.split("::")[0] in zoo}:
+        assert "quick_section" in test or "test_benchmark_quick" in test, test
+    assert not any("test_only_runs_the_sections_named" in test
+                   or "test_every_form_gives_the_plain_forms" in test
+                   for test in at_scale)
+    script = (_ROOT / ".ci" / "run").read_text()
+    assert "export PYTEST_ADDOPTS=\"-m 'not at_scale'\"" in script
+
+
 # --- the README says the same --------------------------------------------------
 
 

@@ -19,7 +19,8 @@ from tests.helpers import late_failures
 from tests.helpers import model_zoo
 
 pytestmark = [pytest.mark.usefixtures("keras_isolation"),
-              pytest.mark.xdist_group("watch_zoo_late_failure")]
+              pytest.mark.xdist_group("watch_zoo_late_failure"),
+              pytest.mark.at_scale]
 
 STEPS_PER_EPOCH = model_zoo.BATCHES
 PLANT_STEP = 4 * STEPS_PER_EPOCH
