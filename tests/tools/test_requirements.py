@@ -505,23 +505,42 @@ def test_ci_installs_the_keras_hub_extra_the_test_extra_leaves_out():
         _ROOT / ".ci" / "run").read_text()
 
 
-def _collected(*arguments):
-    """The test ids pytest collects with `arguments`, and its exit code."""
+_MARKED = """
+import sys
+import pytest
+
+class Marks:
+    def pytest_collection_finish(self, session):
+        for item in session.items:
+            marked = item.get_closest_marker("at_scale") is not None
+            print(f"{int(marked)} {item.nodeid}")
+
+sys.exit(pytest.main(["--collect-only", "-q", "-n", "0", "-p",
+                      "no:cacheprovider", "tests"], plugins=[Marks()]))
+"""
+
+
+def _at_scale_marks():
+    """{test id: whether it is marked `at_scale`} of the whole suite, as
+    pytest collects it without CI's PYTEST_ADDOPTS (one collection)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0",
-         "-p", "no:cacheprovider", *arguments],
-        cwd=_ROOT, env=env, capture_output=True, text=True, check=False)
-    return {line for line in done.stdout.splitlines() if "::" in line}, (
-        done.returncode)
+    done = subprocess.run([sys.executable, "-c", _MARKED], cwd=_ROOT, env=env,
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    marks = {}
+    for line in done.stdout.splitlines():
+        flag, _, test = line.partition(" ")
+        if flag in ("0", "1") and "::" in test:
+            marks[test] = flag == "1"
+    return marks
 
 
 def test_the_proofs_at_scale_are_the_zoo_and_the_benchmarks_run():
     # CI leaves the tests marked `at_scale` out with the oldest releases:
     # they must be the proofs on others' models and the benchmark's whole
     # run, and nothing that tests a release's API.
-    at_scale, status = _collected("-m", "at_scale", "tests")
-    assert status == 0
+    marks = _at_scale_marks()
+    at_scale = {test for test, marked in marks.items() if marked}
     zoo = {"tests/diagnosis/test_model_zoo.py",
            "tests/watch/test_zoo_late_failure.py"}
     assert {test.split("::")[0] for test in at_scale} == zoo | {
@@ -529,8 +548,8 @@ def test_the_proofs_at_scale_are_the_zoo_and_the_benchmarks_run():
         "tests/tools/test_hot_path_benchmark.py",
         "tests/tools/test_gradient_stats_benchmark.py"}
     # The zoo's files are proofs at scale throughout.
-    rest, status = _collected("-m", "not at_scale", *sorted(zoo))
-    assert (rest, status) == (set(), pytest.ExitCode.NO_TESTS_COLLECTED)
+    assert not [test for test, marked in marks.items()
+                if not marked and test.split("::")[0] in zoo]
     # Of the benchmark's, those that read its whole quick run (conftest's
     # `quick_benchmark`); those that build their own steps run with both.
     for test in at_scale - {t for t in at_scale if t.split("::")[0] in zoo}:
