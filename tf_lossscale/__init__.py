@@ -58,7 +58,7 @@ if _tf_keras_now:
     from tf_lossscale.tf_keras import loss_scale_optimizer as _tf_keras_wrappers  # pylint: disable=unused-import
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
-__version__ = "0.5.0"
+__version__ = "0.6.0.dev0"
 
 __all__ = [
     "DoubleScalingError", "DynamicLossScale", "FailureReport",
