@@ -1,7 +1,9 @@
 """`FailureWatch` where the rest works: over `fit` compiled with XLA,
 several steps per call (the two reads after each call are what the watch
 needs, and the run carried on stays compiled), and under MirroredStrategy
-(the fixed model and its optimizer's state live in the same strategy)."""
+(the fixed model and its optimizer's state live in the same strategy); each
+with one loss scale and scaled per layer (the run carried on keeps its
+segments)."""
 
 import contextlib
 
@@ -12,12 +14,17 @@ import pytest
 import tf_lossscale
 from tests.helpers import late_failures as late
 from tests.helpers import training
+from tf_lossscale import layerwise
 
 pytestmark = [pytest.mark.usefixtures("keras_isolation"),
               pytest.mark.xdist_group("watch_reach")]
 
 
-def _compiled(strategy=None, **compile_args):
+_SCALING = pytest.mark.parametrize("per_layer", [False, True],
+                                   ids=["one_scale", "per_layer"])
+
+
+def _compiled(strategy=None, per_layer=False, **compile_args):
     keras.mixed_precision.set_global_policy("mixed_float16")
     with strategy.scope() if strategy else contextlib.nullcontext():
         model = late.logits_classifier(keras)
@@ -25,11 +32,24 @@ def _compiled(strategy=None, **compile_args):
             keras.optimizers.Lion(0.12)),
                       loss=keras.losses.SparseCategoricalCrossentropy(
                           from_logits=True), **compile_args)
+        if per_layer:
+            model = layerwise.scale_per_layer(model)
     return model
 
 
-def test_a_late_failure_under_xla_is_named_and_carried_on():
-    model = _compiled(jit_compile=True, steps_per_execution=4)
+def _carried_on(model, fixed, per_layer):
+    """What the run carried on keeps of `model`, with or without per-layer
+    scaling."""
+    assert fixed.get_layer("logits").compute_dtype == "float32"
+    assert isinstance(fixed, layerwise.LayerwiseModel) is per_layer
+    if per_layer:
+        assert fixed.segments == model.segments
+
+
+@_SCALING
+def test_a_late_failure_under_xla_is_named_and_carried_on(per_layer):
+    model = _compiled(per_layer=per_layer, jit_compile=True,
+                      steps_per_execution=4)
     x, y = late.separable_data()
     watch = tf_lossscale.FailureWatch([(x[:late.BATCH], y[:late.BATCH])],
                                       on_failure="fix", steps=1,
@@ -42,13 +62,15 @@ def test_a_late_failure_under_xla_is_named_and_carried_on():
     assert report.step % 4 == 0
     fixed = history.model
     assert fixed.jit_compile is True
-    assert fixed.get_layer("logits").compute_dtype == "float32"
+    _carried_on(model, fixed, per_layer)
     assert np.all(np.isfinite(history.history["loss"]))
 
 
-def test_a_late_failure_under_mirrored_strategy_is_named_and_carried_on():
+@_SCALING
+def test_a_late_failure_under_mirrored_strategy_is_named_and_carried_on(
+        per_layer):
     strategy = training.mirrored(2)
-    model = _compiled(strategy)
+    model = _compiled(strategy, per_layer)
     x, y = late.separable_data()
     watch = tf_lossscale.FailureWatch([(x[:late.BATCH], y[:late.BATCH])],
                                       on_failure="fix", steps=1,
@@ -59,6 +81,7 @@ def test_a_late_failure_under_mirrored_strategy_is_named_and_carried_on():
     assert report.diagnosis.first_nonfinite_layer == "logits"
     fixed = history.model
     assert fixed.distribute_strategy is strategy
+    _carried_on(model, fixed, per_layer)
     assert int(np.asarray(fixed.optimizer.iterations)) > int(np.asarray(
         model.optimizer.iterations))
     assert np.all(np.isfinite(history.history["loss"]))
