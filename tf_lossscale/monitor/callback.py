@@ -40,7 +40,7 @@ class _SkipPrinter:
         """Takes a batch end: `skips` of the steps `first_step` to
         `last_step` were skipped; the scale went from `before` to `after`."""
         if self._last is not None and (
-                first_step - self._last > BURST_GAP_STEPS + 1):
+                first_step - self._last > BURST_GAP_STEPS):
             self.end()
         if not skips:
             return
