@@ -103,6 +103,27 @@ def test_a_late_failure_with_tf_keras_is_named_and_carried_on(
     assert found["state_equal"]
 
 
+@pytest.mark.parametrize("kind", ["legacy", "group"])
+def test_a_tf_keras_custom_loop_is_carried_on_with_its_optimizers_state(
+        tf_keras_interpreter, kind):
+    # A legacy optimizer (OptimizerV2), and a LossScaleGroup of two.
+    found = tf_keras_interpreter.call(
+        "tests.scripts.tf_keras_failure_watch:run_loop", kind)
+    assert found["first_nonfinite_layer"] == "logits"
+    assert found["carried_dtype"] == "float32"
+    assert found["classes"] == (["LegacyLossScaleOptimizer"]
+                                if kind == "legacy"
+                                else ["LossScaleOptimizer"] * 2)
+    assert found["one_new_group"]
+    settled, carried = found["scale"]
+    assert carried == settled == 1024.0
+    old, new = found["iterations"]
+    assert new == old and min(old) > 0
+    old, new = found["skipped_steps"]
+    assert new == old and min(old) > 0
+    assert found["state_equal"]
+
+
 def test_a_healthy_run_with_a_burst_of_skips_at_the_start_is_left_alone():
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = late.logits_classifier(keras)

@@ -6,7 +6,6 @@ group in a new group of the same state; scaled per layer, its factors
 """
 
 from tf_lossscale._internal import checks
-from tf_lossscale._internal import private_api
 from tf_lossscale.keras3 import loss_scale_optimizer
 from tf_lossscale.layerwise import model as layerwise_model
 from tf_lossscale import groups as group_lib
@@ -25,9 +24,9 @@ def carry_on(report, model, scale=None, also=(), optimizers=None,
 
     Args:
       report: the `Float16Diagnosis` of `model` as it is now.
-      model: a Keras 3 model compiled with a `tf_lossscale.LossScaleOptimizer`
-        (scaled per layer too: the fix keeps its segments, and their state
-        is carried on).
+      model: a Keras 3 or tf-keras model compiled with a
+        `tf_lossscale.LossScaleOptimizer` (scaled per layer too, Keras 3:
+        the fix keeps its segments, and their state is carried on).
       scale: None (keep the scale as it is), or the loss scale to continue
         at, a number > 0 (a failure leaves the scale backed off to its floor:
         where it had settled is the better start).
@@ -39,7 +38,7 @@ def carry_on(report, model, scale=None, also=(), optimizers=None,
         carried on too (`carry_scaling_state`).
 
     Raises:
-      TypeError: `model`'s optimizer is not a Keras 3
+      TypeError: `model`'s optimizer is not a
         `tf_lossscale.LossScaleOptimizer`.
       ValueError: its loss scale is in a `LossScaleGroup` and `optimizers`
         is not every optimizer of the group (or given without a group), or
@@ -92,8 +91,7 @@ def carry_on(report, model, scale=None, also=(), optimizers=None,
             places = {id(v): i for i, v in enumerate(model.trainable_variables)}
             targets = fixed.trainable_variables
             for o, n in zip(olds, news):
-                n.build([targets[places[id(v)]]
-                         for v in private_api.keras_built_for(o)])
+                n.build([targets[places[id(v)]] for v in o._built_for])  # pylint: disable=protected-access
     for o, n in zip(olds, news):
         _copy(model, o, n)
     if scale is not None and new_scale.variables:
@@ -121,13 +119,15 @@ def _group_optimizers(model, group, old, optimizers):
     # Each carried on is built where it was, at the same places in the
     # fixed model: it must have been built, for variables of `model`.
     ours = {id(v) for v in model.trainable_variables}
+    # pylint: disable=protected-access
     for optimizer in optimizers:
-        if not optimizer.built:
+        # Both Keras' wrappers make their flags when built
+        # (`optimizer_protocol.ScaledLossProtocol`).
+        if optimizer._last_nonfinite is None:
             raise ValueError(
                 f"optimizers holds {optimizer.name!r}, not built yet: build "
                 "it (or step it once) before carrying it on")
-        others = [v.name for v in private_api.keras_built_for(optimizer)
-                  if id(v) not in ours]
+        others = [v.name for v in optimizer._built_for if id(v) not in ours]
         if others:
             raise ValueError(
                 f"optimizers holds {optimizer.name!r}, built for variables "
@@ -137,15 +137,22 @@ def _group_optimizers(model, group, old, optimizers):
     return optimizers
 
 
+def _variables(optimizer):
+    """An optimizer's variables (tf-keras' legacy ones give theirs by a
+    method)."""
+    variables = optimizer.variables
+    return variables() if callable(variables) else variables
+
+
 def _copy(model, old, new):
     """`old`'s variables into `new`'s, one for one."""
-    shapes = [[tuple(v.shape) for v in o.variables] for o in (old, new)]
+    shapes = [[tuple(v.shape) for v in _variables(o)] for o in (old, new)]
     if shapes[0] != shapes[1]:
         raise ValueError(
             f"the optimizer of model {model.name!r} holds variables the fixed "
             f"model's cannot take one for one: {shapes[0]} against "
             f"{shapes[1]}")
-    for source, target in zip(old.variables, new.variables):
+    for source, target in zip(_variables(old), _variables(new)):
         target.assign(source)
 
 

@@ -281,7 +281,8 @@ class LegacyLossScaleOptimizer(_TfKerasWrapper,
     def _inner_variables(self):
         return self._optimizer.variables()
 
-    _create_all_weights = _TfKerasWrapper._build
+    # `build` as the other wrappers (OptimizerV2 has none).
+    build = _create_all_weights = _TfKerasWrapper._build
     variables = _TfKerasWrapper._all_variables
     weights = property(_TfKerasWrapper._all_variables)
 
