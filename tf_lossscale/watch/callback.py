@@ -189,9 +189,9 @@ class FailureWatch(_Watch, xla_callback.EitherKeras,
     loss scale and the skipped steps, and calls the run failed on any of the
     triggers below. It then diagnoses the model as it is
     (`tf_lossscale.diagnose` on the first `steps` batches of `data`), builds
-    a `FailureReport`, puts `float16_failure_step` in the logs, saves the
-    report to `directory` and a text summary to `log_dir` if given, and acts
-    as `on_failure` says.
+    a `FailureReport`, puts `float16_failure_step` in the batch's logs,
+    saves the report to `directory` and a text summary to `log_dir` if
+    given, and acts as `on_failure` says.
 
     Args:
       data: the batches to diagnose at the failure, as `diagnose` takes them
