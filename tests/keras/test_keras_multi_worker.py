@@ -34,6 +34,13 @@ def test_nan_on_one_worker_skips_the_step_on_every_worker(
     assert first["scale"] == second["scale"]
     assert first["iterations"] == second["iterations"]
     assert first["skipped_steps"] == second["skipped_steps"]
+    # The overflow record names the same variables on every worker, also on
+    # worker 0, whose own gradients were finite: none before the first NaN
+    # step, then those of the last skipped step.
+    assert first["last_nonfinite"] == second["last_nonfinite"]
+    first_nan = min(_JOB["nan_steps"])
+    assert first["last_nonfinite"][:first_nan] == [[]] * first_nan
+    assert all(names for names in first["last_nonfinite"][first_nan:])
 
     weights = np.array(first["weights"])
     assert np.isfinite(weights).all()

@@ -14,7 +14,8 @@ its batch at each step listed in `nan_steps`, the other workers never do.
 `run` returns what the worker saw after each step:
 
     {"task_id": 1, "num_replicas": 2, "scale": [...], "weights": [[...], ...],
-     "iterations": [...], "skipped_steps": [...]}
+     "iterations": [...], "skipped_steps": [...],
+     "last_nonfinite": [[variable path, ...], ...]}
 
 `run_group` trains the same model with two optimizers in one
 `tf_lossscale.LossScaleGroup`, one per layer, each scaling the same loss; the
@@ -112,6 +113,7 @@ def run(strategy, job, keras):
         "task_id": task_id,
         "num_replicas": strategy.num_replicas_in_sync,
         "scale": [], "weights": [], "iterations": [], "skipped_steps": [],
+        "last_nonfinite": [],
     }
     for inputs in dataset:
         train_step(inputs)
@@ -120,6 +122,8 @@ def run(strategy, job, keras):
             [float(v) for w in model.get_weights() for v in w.ravel()])
         observed["iterations"].append(int(optimizer.iterations.numpy()))
         observed["skipped_steps"].append(int(optimizer.skipped_steps))
+        observed["last_nonfinite"].append(
+            optimizer.last_nonfinite_variables())
     return observed
 
 

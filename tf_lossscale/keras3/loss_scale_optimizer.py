@@ -6,7 +6,6 @@ that class's behaviour (docs/guides/keras.md).
 
 import functools
 import sys
-import warnings
 
 import keras
 import tensorflow as tf
@@ -14,8 +13,6 @@ import tensorflow as tf
 from tf_lossscale._internal import checks
 from tf_lossscale._internal import private_api
 from tf_lossscale.keras3 import saving
-from tf_lossscale import groups as group_lib
-from tf_lossscale.loss_scales import loss_scale as loss_scale_lib
 from tf_lossscale.loss_scales import xla_checks
 from tf_lossscale.ops import replicas
 from tf_lossscale.step import loss_scaled_step
@@ -54,21 +51,6 @@ def _for_tf_keras(inner_optimizer):
     return optimizer_protocol.comes_from_tf_keras(inner_optimizer) or bool(
         optimizer_protocol.tf_keras_is_tf_keras() and _tf_keras_wrapper_classes()
         and not isinstance(inner_optimizer, keras.optimizers.Optimizer))
-
-
-def _warn_if_scaling_bfloat16(loss_scale):
-    loss_scale = group_lib.underlying(loss_scale)
-    policy = keras.mixed_precision.global_policy()
-    scales = not (isinstance(loss_scale, loss_scale_lib.FixedLossScale)
-                  and loss_scale.loss_scale_value == 1)
-    if policy.compute_dtype == "bfloat16" and scales:
-        warnings.warn(
-            f"LossScaleOptimizer built under the {policy.name!r} dtype policy "
-            f"with {loss_scale!r}: bfloat16 has float32's range, so its "
-            "gradients do not underflow and scaling them only costs time. To "
-            "keep skipping steps with NaN/Inf gradients without scaling, use "
-            "loss_scale=tf_lossscale.FixedLossScale(1, skip_non_finite=True).",
-            UserWarning, stacklevel=3)
 
 
 @keras.saving.register_keras_serializable(package="tf_lossscale")
@@ -140,7 +122,8 @@ class LossScaleOptimizer(saving.SavedState,
             self._skipped_steps = keras.Variable(
                 0, name="skipped_steps", dtype="int64", trainable=False,
                 aggregation="none")
-        _warn_if_scaling_bfloat16(resolved)
+        optimizer_arguments.warn_if_scaling_bfloat16(
+            resolved, keras.mixed_precision.global_policy())
 
     def build(self, var_list):
         self._hand_pending_restores_to_inner()

@@ -1,7 +1,8 @@
 """How the optimizer wrappers read their loss-scale and Keras arguments:
 `resolve_loss_scale` and `claim` (the loss scale a wrapper holds),
-`check_base_optimizer_arguments` (what Keras writes into saved configs) and
-`InnerHyperparameters` (the Keras 3 wrapper's, its inner optimizer's)."""
+`warn_if_scaling_bfloat16`, `check_base_optimizer_arguments` (what Keras
+writes into saved configs) and `InnerHyperparameters` (the Keras 3
+wrapper's, its inner optimizer's)."""
 
 import warnings
 
@@ -17,6 +18,22 @@ _BASE_OPTIMIZER_DEFAULTS = {
     "clipvalue": None, "use_ema": False, "ema_momentum": 0.99,
     "ema_overwrite_frequency": None, "loss_scale_factor": None,
     "gradient_accumulation_steps": None}
+
+
+def warn_if_scaling_bfloat16(loss_scale, policy):
+    """Warns (a `UserWarning`) when a wrapper is made under a bfloat16
+    `policy` (its Keras' global one) with any loss scale but a fixed 1."""
+    loss_scale = group_lib.underlying(loss_scale)
+    scales = not (isinstance(loss_scale, loss_scale_lib.FixedLossScale)
+                  and loss_scale.loss_scale_value == 1)
+    if policy.compute_dtype == "bfloat16" and scales:
+        warnings.warn(
+            f"LossScaleOptimizer built under the {policy.name!r} dtype policy "
+            f"with {loss_scale!r}: bfloat16 has float32's range, so its "
+            "gradients do not underflow and scaling them only costs time. To "
+            "keep skipping steps with NaN/Inf gradients without scaling, use "
+            "loss_scale=tf_lossscale.FixedLossScale(1, skip_non_finite=True).",
+            UserWarning, stacklevel=3)
 
 
 def check_base_optimizer_arguments(kwargs):

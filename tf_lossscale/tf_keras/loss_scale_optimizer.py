@@ -66,6 +66,8 @@ class _TfKerasWrapper(optimizer_protocol.ScaledLossProtocol):
             optimizer_arguments.resolve_loss_scale(
                 loss_scale, dynamic, initial_scale, dynamic_growth_steps),
             self)
+        optimizer_arguments.warn_if_scaling_bfloat16(
+            resolved, tf_keras.mixed_precision.global_policy())
         # First: the legacy class's __setattr__ reads the inner optimizer.
         self._optimizer = inner_optimizer
         # tf-keras' flag: every wrapper, tf-keras' own too, now refuses it.
