@@ -125,6 +125,9 @@ def test_no_other_module_reaches_into_other_libraries():
         "member.py": ("group._state_variables",
                       "loss_scale._needs_finiteness"),
         "loss_scaled_step.py": ("member._needs_finiteness",),
+        # What a wrapper was built for, for carrying a run on (both Keras').
+        "optimizer_protocol.py": ("wrapper._last_nonfinite",
+                                  "wrapper._built_for"),
         # tf_lossscale.layerwise: its model's set-up, and the loss scale's
         # update from the flag.
         "model.py": ("model._set_up_scaling",),

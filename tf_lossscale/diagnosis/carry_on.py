@@ -8,6 +8,7 @@ group in a new group of the same state; scaled per layer, its factors
 from tf_lossscale._internal import checks
 from tf_lossscale.keras3 import loss_scale_optimizer
 from tf_lossscale.layerwise import model as layerwise_model
+from tf_lossscale.step import optimizer_protocol
 from tf_lossscale import groups as group_lib
 
 
@@ -91,7 +92,8 @@ def carry_on(report, model, scale=None, also=(), optimizers=None,
             places = {id(v): i for i, v in enumerate(model.trainable_variables)}
             targets = fixed.trainable_variables
             for o, n in zip(olds, news):
-                n.build([targets[places[id(v)]] for v in o._built_for])  # pylint: disable=protected-access
+                n.build([targets[places[id(v)]]
+                         for v in optimizer_protocol.built_for(o)])
     for o, n in zip(olds, news):
         _copy(model, o, n)
     if scale is not None and new_scale.variables:
@@ -119,15 +121,13 @@ def _group_optimizers(model, group, old, optimizers):
     # Each carried on is built where it was, at the same places in the
     # fixed model: it must have been built, for variables of `model`.
     ours = {id(v) for v in model.trainable_variables}
-    # pylint: disable=protected-access
     for optimizer in optimizers:
-        # Both Keras' wrappers make their flags when built
-        # (`optimizer_protocol.ScaledLossProtocol`).
-        if optimizer._last_nonfinite is None:
+        variables = optimizer_protocol.built_for(optimizer)
+        if variables is None:
             raise ValueError(
                 f"optimizers holds {optimizer.name!r}, not built yet: build "
                 "it (or step it once) before carrying it on")
-        others = [v.name for v in optimizer._built_for if id(v) not in ours]
+        others = [v.name for v in variables if id(v) not in ours]
         if others:
             raise ValueError(
                 f"optimizers holds {optimizer.name!r}, built for variables "

@@ -2,7 +2,8 @@
 
 `ScaledLossProtocol`: Keras' attributes of a loss-scale wrapper, both step
 protocols (Keras 3's and TF 2.x's), the overflow report and the config;
-`comes_from_tf_keras` and `tf_keras_is_tf_keras`: which Keras is meant.
+`built_for`: the variables a wrapper was built for; `comes_from_tf_keras`
+and `tf_keras_is_tf_keras`: which Keras is meant.
 """
 
 import os
@@ -27,6 +28,14 @@ def comes_from_tf_keras(obj):
     from module names: Keras 3 users never import tf_keras)."""
     return any(klass.__module__.split(".")[0] == "tf_keras"
                for klass in type(obj).__mro__)
+
+
+def built_for(wrapper):
+    """The variables a wrapper (Keras 3's or tf-keras') was built for, in
+    build order; None before it is built."""
+    if wrapper._last_nonfinite is None:  # pylint: disable=protected-access
+        return None
+    return list(wrapper._built_for)  # pylint: disable=protected-access
 
 
 def tf_keras_is_tf_keras():
