@@ -23,11 +23,14 @@ near step 100, the attention classifier near step 200.
 What the late-failure tests share to judge a failure: a float32 twin
 compiled with the failed run's optimizer state (`compiled_with_state_of`),
 and the first layer whose outputs leave float16's range
-(`first_layer_beyond_float16`).
+(`first_layer_beyond_float16`). The tests that plant a failure by hand
+(a bias set beyond float16's range) share `two_layer_classifier` and its
+`two_layer_data`.
 """
 
 import numpy as np
 
+import tf_lossscale
 from tf_lossscale.ops import float16
 
 EXAMPLES = 512
@@ -56,6 +59,33 @@ def token_data(seed=0):
     x = np.concatenate([np.eye(VOCABULARY)[tokens], np.broadcast_to(
         np.eye(TOKENS), (EXAMPLES, TOKENS, TOKENS))], axis=-1)
     return x.astype("float32"), (tokens[:, 0] % 2).astype("int32")
+
+
+def two_layer_classifier(keras, compiled=False):
+    """Dense 4 -> 8 (relu, "hidden") -> 2 ("logits"), seeded, under the
+    global policy mixed_float16 (set here, as users do); `compiled`: with
+    SGD(0.01) in a LossScaleOptimizer of DynamicLossScale(1024, 1000) and the
+    cross-entropy from logits."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(8, activation="relu", name="hidden")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(2, name="logits")(h))
+    if compiled:
+        model.compile(optimizer=tf_lossscale.LossScaleOptimizer(
+            keras.optimizers.SGD(0.01),
+            tf_lossscale.DynamicLossScale(1024.0, 1000)),
+                      loss=keras.losses.SparseCategoricalCrossentropy(
+                          from_logits=True))
+    return model
+
+
+def two_layer_data(examples):
+    """`examples` inputs of 4 features for `two_layer_classifier`, each
+    labelled by its first feature's sign."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((examples, 4)).astype(np.float32)
+    return x, (x[:, 0] > 0).astype(np.int32)
 
 
 def logits_classifier(keras):

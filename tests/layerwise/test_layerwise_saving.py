@@ -1,6 +1,6 @@
-"""A model scaled per layer in `.keras` files, configs and checkpoints: its
-factor state comes back bit for bit, and training goes on as if never
-saved."""
+"""A model scaled per layer in `.keras` files, configs, checkpoints and
+`save_weights` files: its factor state comes back bit for bit, and training
+goes on as if never saved."""
 
 import keras
 import numpy as np
@@ -97,3 +97,38 @@ def test_a_file_with_an_impossible_factor_is_refused_the_factors_untouched(
     with pytest.raises(ValueError, match="gradient_factors"):
         target.load_weights(path)
     _assert_same(values_of(state), before)
+
+
+def test_save_weights_restores_the_factor_state_and_training_goes_on_alike(
+        tmp_path):
+    x, y = models.data(batches=4, seed=1)
+    scaled = layerwise.scale_per_layer(models.gained_model(),
+                                       increment_period=2)
+    scaled.fit(x[:2 * models.BATCH], y[:2 * models.BATCH],
+               batch_size=models.BATCH, shuffle=False, verbose=0)
+    factors, margins, good_steps = scaled.factor_state
+    # Margins and good steps of their own in every segment (training this
+    # short leaves them at 1 and alike).
+    margins.assign(2.0 ** -np.arange(1, len(scaled.segments), dtype=np.float32))
+    good_steps.assign(np.arange(1, len(scaled.segments), dtype=np.int64))
+    saved = [v.numpy() for v in scaled.factor_state]
+    assert saved[0].max() > 1.0  # The factors aligned.
+    path = str(tmp_path / "scaled.weights.h5")
+    scaled.save_weights(path)
+    state = _state(scaled)
+    target = layerwise.scale_per_layer(models.gained_model(seed=1),
+                                       increment_period=2)
+    target.optimizer.build(target.trainable_variables)
+
+    target.load_weights(path)
+
+    for now, then in zip(target.factor_state, saved):
+        np.testing.assert_array_equal(now.numpy(), then)
+    assert target.gradient_factors() == scaled.gradient_factors()
+    _assert_same(_state(target), state)
+    for model in (scaled, target):
+        model.fit(x[2 * models.BATCH:], y[2 * models.BATCH:],
+                  batch_size=models.BATCH, shuffle=False, verbose=0)
+    _assert_same(_state(target), _state(scaled))
+    for now, then in zip(target.factor_state, scaled.factor_state):
+        np.testing.assert_array_equal(now.numpy(), then.numpy())

@@ -192,3 +192,18 @@ def test_under_xla_factors_align_and_a_non_finite_step_is_skipped():
         np.testing.assert_array_equal(now, then)
     factors = scaled.gradient_factors()
     assert min(factors["low_1"], factors["low_2"]) >= 2.0**30, factors
+
+
+def test_the_last_segments_factor_is_one():
+    # "the last segment's is 1": the top is scaled by S alone.
+    x, y = models.data(batches=3)
+    scaled = layerwise.scale_per_layer(models.gained_model())
+    history = scaled.fit(x, y, batch_size=models.BATCH, shuffle=False,
+                         verbose=0, epochs=2,
+                         callbacks=[tf_lossscale.LossScaleMonitor()])
+    top = scaled.segments[-1][0]
+    factors = scaled.gradient_factors()
+    assert list(factors) == [names[0] for names in scaled.segments]
+    assert factors[top] == 1.0
+    assert history.history[f"gradient_factor/{top}"] == [1.0, 1.0]
+    assert max(factors.values()) > 1.0  # The others moved.

@@ -58,10 +58,7 @@ def _planted_failure(optimizers):
     for every variable, or one per layer) following tf-keras' protocol,
     while its logits' bias grows GROWTH-fold a step, under a watch; returns
     the model and the watch's report."""
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((4,))
-    hidden = keras.layers.Dense(8, activation="relu", name="hidden")(inputs)
-    model = keras.Model(inputs, keras.layers.Dense(2, name="logits")(hidden))
+    model = late.two_layer_classifier(keras)
     model.compile(optimizer=optimizers[0],  # The diagnosis' loss.
                   loss=keras.losses.SparseCategoricalCrossentropy(
                       from_logits=True))
@@ -83,9 +80,7 @@ def _planted_failure(optimizers):
                 optimizer.get_unscaled_gradients(part_grads), part))
         return loss
 
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((8, 4)).astype(np.float32)
-    y = (x[:, 0] > 0).astype(np.int32)
+    x, y = late.two_layer_data(8)
     watch = tf_lossscale.FailureWatch([(x, y)], steps=1, settle_steps=3,
                                       max_consecutive_skips=3, verbose=False)
     try:

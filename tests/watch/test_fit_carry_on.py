@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import tf_lossscale
+from tests.helpers import late_failures as late
 
 pytestmark = [pytest.mark.usefixtures("keras_isolation"),
               pytest.mark.xdist_group("watch_fit_carry_on")]
@@ -26,23 +27,11 @@ BEYOND_FLOAT16 = 1e5
 
 
 def _data():
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((EXAMPLES, 4)).astype(np.float32)
-    return x, (x[:, 0] > 0).astype(np.int32)
+    return late.two_layer_data(EXAMPLES)
 
 
 def _model():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((4,))
-    h = keras.layers.Dense(8, activation="relu", name="hidden")(inputs)
-    model = keras.Model(inputs, keras.layers.Dense(2, name="logits")(h))
-    model.compile(optimizer=tf_lossscale.LossScaleOptimizer(
-        keras.optimizers.SGD(0.01), tf_lossscale.DynamicLossScale(1024.0,
-                                                                  1000)),
-                  loss=keras.losses.SparseCategoricalCrossentropy(
-                      from_logits=True))
-    return model
+    return late.two_layer_classifier(keras, compiled=True)
 
 
 class _Plant(keras.callbacks.Callback):

@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tf_lossscale
+from tests.helpers import late_failures as late
 from tests.helpers import training
 
 pytestmark = [pytest.mark.usefixtures("keras_isolation"),
@@ -20,11 +21,7 @@ GROWTH = 4.0  # The logits' bias, times this after each step.
 
 
 def _model():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((4,))
-    h = keras.layers.Dense(8, activation="relu", name="hidden")(inputs)
-    model = keras.Model(inputs, keras.layers.Dense(2, name="logits")(h))
+    model = late.two_layer_classifier(keras)
     group = tf_lossscale.LossScaleGroup(
         tf_lossscale.DynamicLossScale(1024.0, 1000))
     optimizers = [tf_lossscale.LossScaleOptimizer(
@@ -68,9 +65,7 @@ def _step_function(model, optimizers, strategy=None):
 
 
 def _batch():
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((8, 4)).astype(np.float32)
-    return x, (x[:, 0] > 0).astype(np.int32)
+    return late.two_layer_data(8)
 
 
 @pytest.fixture(scope="module")

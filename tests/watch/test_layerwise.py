@@ -21,11 +21,7 @@ GROWTH = 4.0  # The logits' bias, times this after each step.
 
 
 def _model():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((4,))
-    h = keras.layers.Dense(8, activation="relu", name="hidden")(inputs)
-    model = keras.Model(inputs, keras.layers.Dense(2, name="logits")(h))
+    model = late.two_layer_classifier(keras)
     model.compile(optimizer=tf_lossscale.LossScaleOptimizer(
         keras.optimizers.SGD(0.01, momentum=0.9),
         loss_scale=tf_lossscale.DynamicLossScale(1024.0, 1000)),
@@ -53,9 +49,7 @@ def _step_function(model):
 
 
 def _batch():
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((8, 4)).astype(np.float32)
-    return x, (x[:, 0] > 0).astype(np.int32)
+    return late.two_layer_data(8)
 
 
 @pytest.fixture(scope="module")
