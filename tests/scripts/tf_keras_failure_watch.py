@@ -114,7 +114,7 @@ def run_loop(kind):
                       for _ in range(2)]
     model, report = _planted_failure(optimizers)
     if kind == "legacy":
-        fixed, carried = report.fix(model), None
+        fixed = report.fix(model)
         carried = [fixed.optimizer]
     else:
         fixed, carried = report.fix(model, optimizers=optimizers)
